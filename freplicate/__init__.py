@@ -1,0 +1,52 @@
+"""freplicate: PyTorch's module replication as pure functions on parameter trees.
+
+>>> import freplicate as fr
+>>> model = torch.nn.Linear(4, 2)
+>>> s = fr.state(model)
+>>> replicas = fr.replicate(s, ["cpu", "cpu"])
+>>> out, _ = fr.apply(model, replicas[1], torch.ones(3, 4))
+>>> out.shape
+torch.Size([3, 2])
+"""
+
+from typing import Any
+
+from . import distributed as distributed
+from ._grad import grad_and_value as grad_and_value
+from ._parallel import all_reduce as all_reduce
+from ._parallel import data_parallel as data_parallel
+from ._parallel import data_parallel_grad as data_parallel_grad
+from ._parallel import gather as gather
+from ._parallel import parallel_apply as parallel_apply
+from ._parallel import scatter as scatter
+from ._replicate import replicate as replicate
+from ._state import State as State
+from ._state import apply as apply
+from ._state import state as state
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "State",
+    "all_reduce",
+    "apply",
+    "data_parallel",
+    "data_parallel_grad",
+    "distributed",
+    "gather",
+    "grad_and_value",
+    "parallel_apply",
+    "replicate",
+    "scatter",
+    "state",
+    "testing",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # fr.testing needs the optional `hypothesis` dependency: import it on first use.
+    if name == "testing":
+        import importlib
+
+        return importlib.import_module(".testing", __name__)
+    raise AttributeError(f"module 'freplicate' has no attribute {name!r}")

@@ -1,0 +1,88 @@
+"""Device specs: parse ``int`` / ``str`` / ``torch.device`` into ``torch.device``.
+
+The single place where a device spec is validated, so that every public
+function rejects a bad device with the same words: ``ValueError`` naming the
+function, the argument and the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+DeviceSpec = int | str | torch.device
+
+__all__ = ["DeviceSpec", "as_device", "as_devices"]
+
+
+def as_device(spec: DeviceSpec, *, fn: str, arg: str = "device") -> torch.device:
+    """Parse and validate one device spec.
+
+    >>> as_device("cpu", fn="f")
+    device(type='cpu')
+    >>> as_device("tpu:3", fn="fr.replicate", arg="devices[1]")
+    Traceback (most recent call last):
+    ...
+    ValueError: fr.replicate: devices[1] is not a device: 'tpu:3' ...
+    """
+    if isinstance(spec, torch.device):
+        device = spec
+    elif isinstance(spec, bool):  # bool is an int; True is no CUDA index
+        raise ValueError(f"{fn}: {arg} is not a device: {spec!r}")
+    elif isinstance(spec, int):
+        if spec < 0:
+            raise ValueError(f"{fn}: {arg} is not a device: CUDA index {spec} is negative")
+        device = torch.device("cuda", spec)
+    elif isinstance(spec, str):
+        try:
+            device = torch.device(spec)
+        except RuntimeError as err:
+            raise ValueError(
+                f"{fn}: {arg} is not a device: {spec!r} "
+                "(expected e.g. 'cpu', 'cuda:1', 'meta', an int CUDA index or a torch.device)"
+            ) from err
+    else:
+        raise ValueError(
+            f"{fn}: {arg} is not a device: {spec!r} of type {type(spec).__name__} "
+            "(expected an int CUDA index, a str or a torch.device)"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{fn}: {arg} is {str(device)!r} but CUDA is not available on this machine"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        elif device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{fn}: {arg} is {str(device)!r} but this machine has "
+                f"{torch.cuda.device_count()} CUDA device(s)"
+            )
+    elif device.type not in ("cpu", "meta"):
+        module = getattr(torch, device.type, None)
+        is_available = getattr(module, "is_available", None)
+        if is_available is None or not is_available():
+            raise ValueError(f"{fn}: {arg} is {str(device)!r}, which is not available here")
+    return device
+
+
+def as_devices(specs: Sequence[DeviceSpec], *, fn: str, arg: str = "devices") -> list[torch.device]:
+    """Parse a non-empty list of device specs (repeats allowed).
+
+    >>> as_devices(["cpu", torch.device("cpu")], fn="f")
+    [device(type='cpu'), device(type='cpu')]
+    >>> as_devices([], fn="fr.replicate")
+    Traceback (most recent call last):
+    ...
+    ValueError: fr.replicate: devices is empty; give at least one device
+    """
+    if isinstance(specs, (str, int, torch.device)):
+        raise ValueError(
+            f"{fn}: {arg} must be a list of devices, got a single device {specs!r}; "
+            f"wrap it in a list: [{specs!r}]"
+        )
+    specs = list(specs)
+    if not specs:
+        raise ValueError(f"{fn}: {arg} is empty; give at least one device")
+    return [as_device(s, fn=fn, arg=f"{arg}[{i}]") for i, s in enumerate(specs)]

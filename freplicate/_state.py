@@ -1,0 +1,271 @@
+"""Module <-> tree: ``State``, ``state(module)`` and ``apply(module, state, ...)``.
+
+``apply`` runs a module's forward with a given state bound, as
+``torch.func.functional_call`` does, but through a *skeleton*: a shallow copy
+of every submodule object (the seed ``replicate``'s per-device copies), whose
+``_parameters`` / ``_buffers`` / ``_modules`` dicts are its own. Binding a
+state writes those dicts only, so the caller's module is never touched and
+two threads never see each other's tensors. Skeletons are built once per
+module and kept in a small pool (one per concurrent caller): a lock guards
+only the pool, never the forward, so replicas run truly in parallel.
+
+Each call refreshes every skeleton object's plain attributes from its
+original (``training``, hooks, ``dropout.p`` ...), and a change of structure
+(a parameter, buffer or submodule registered anywhere after the skeleton was
+built) makes the next call rebuild it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+__all__ = ["State", "apply", "state"]
+
+
+class State(NamedTuple):
+    """A module's tensors as a tree: ``params`` and ``buffers`` keyed by qualified name.
+
+    >>> s = state(nn.BatchNorm1d(2))
+    >>> sorted(s.params), sorted(s.buffers)
+    (['bias', 'weight'], ['num_batches_tracked', 'running_mean', 'running_var'])
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+def state(module: nn.Module) -> State:
+    """The module's parameters and buffers as a ``State``, without copying.
+
+    Leaves are detached tensors sharing storage with the module's own; tied
+    parameters appear once, under their first name (as ``named_parameters()``).
+
+    >>> lin = nn.Linear(3, 2)
+    >>> s = state(lin)
+    >>> s.params["weight"].data_ptr() == lin.weight.data_ptr(), s.params["weight"].requires_grad
+    (True, False)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fr.state: module must be an nn.Module, got {type(module).__name__}")
+    return State(
+        {name: p.detach() for name, p in module.named_parameters()},
+        {name: b.detach() for name, b in module.named_buffers()},
+    )
+
+
+# --- structure generation: bumped whenever any module registers a tensor or a submodule
+
+
+_GENERATION = [0]
+
+
+def _bump(*_: Any) -> None:
+    _GENERATION[0] += 1
+
+
+nn.modules.module.register_module_parameter_registration_hook(_bump)
+nn.modules.module.register_module_buffer_registration_hook(_bump)
+nn.modules.module.register_module_module_registration_hook(_bump)
+
+_MISSING: Any = object()
+
+
+class _Skeleton:
+    """One shallow copy of a module tree, with its own tensor and child dicts."""
+
+    __slots__ = ("buffer_slots", "dicts", "owned", "param_slots", "root")
+
+    def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
+        copies: list[nn.Module] = []
+        for m in mods:
+            c = m.__new__(type(m))
+            c.__dict__ = m.__dict__.copy()
+            c.__dict__["_parameters"] = dict(m._parameters)
+            c.__dict__["_buffers"] = dict(m._buffers)
+            c.__dict__["_modules"] = dict(m._modules)
+            copies.append(c)
+        for c, kids in zip(copies, binder.children):
+            for key, j in kids:
+                c._modules[key] = copies[j] if j >= 0 else None
+        self.root = copies[0]
+        self.dicts = [c.__dict__ for c in copies]
+        self.owned = [(c._parameters, c._buffers, c._modules) for c in copies]
+        self.param_slots = [
+            (copies[i]._parameters, key, canon, mods[i]._parameters)
+            for i, key, canon in binder.param_slots
+        ]
+        self.buffer_slots = [
+            (copies[i]._buffers, key, canon, mods[i]._buffers)
+            for i, key, canon in binder.buffer_slots
+        ]
+
+
+class _Binder:
+    """What ``apply`` knows of one module: its names, and a pool of skeletons."""
+
+    def __init__(self, module: nn.Module) -> None:
+        mods = list(module.modules())
+        index = {id(m): i for i, m in enumerate(mods)}
+        self.generation = _GENERATION[0]
+        self.mods_ref = [weakref.ref(m) for m in mods]
+        self.orig_dicts = [m.__dict__ for m in mods]
+        self.children = [
+            [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
+            for m in mods
+        ]
+        canon: dict[int, str] = {}
+        for name, t in module.named_parameters():
+            canon.setdefault(id(t), name)
+        for name, t in module.named_buffers():
+            canon.setdefault(id(t), name)
+        # every name a tensor is reachable under (tied weights, shared submodules)
+        self.alias: dict[str, str] = {}
+        for name, t in module.named_parameters(remove_duplicate=False):
+            self.alias[name] = canon[id(t)]
+        for name, t in module.named_buffers(remove_duplicate=False):
+            self.alias[name] = canon[id(t)]
+        self.param_slots = [
+            (i, key, canon[id(p)])
+            for i, m in enumerate(mods)
+            for key, p in m._parameters.items()
+            if p is not None
+        ]
+        self.buffer_slots = [
+            (i, key, canon[id(b)])
+            for i, m in enumerate(mods)
+            for key, b in m._buffers.items()
+            if b is not None
+        ]
+        self.buffer_names = list(dict.fromkeys(c for _, _, c in self.buffer_slots))
+        self.pool: list[_Skeleton] = []
+        self.lock = threading.Lock()
+
+    def same_structure(self, other: _Binder) -> bool:
+        return (
+            self.children == other.children
+            and self.param_slots == other.param_slots
+            and self.buffer_slots == other.buffer_slots
+            and all(x() is y() for x, y in zip(self.mods_ref, other.mods_ref))
+        )
+
+    def acquire(self) -> _Skeleton:
+        with self.lock:
+            if self.pool:
+                return self.pool.pop()
+        mods = [r() for r in self.mods_ref]
+        return _Skeleton(self, mods)  # type: ignore[arg-type]
+
+    def release(self, skel: _Skeleton) -> None:
+        with self.lock:
+            self.pool.append(skel)
+
+
+_BINDERS: weakref.WeakKeyDictionary[nn.Module, _Binder] = weakref.WeakKeyDictionary()
+_BINDERS_LOCK = threading.Lock()
+
+
+def _binder(module: nn.Module) -> _Binder:
+    b = _BINDERS.get(module)
+    if b is not None and b.generation == _GENERATION[0]:
+        return b
+    # Something, somewhere, registered a tensor or a submodule: check this module.
+    with _BINDERS_LOCK:
+        fresh = _Binder(module)
+        if b is not None and b.same_structure(fresh):
+            b.generation = fresh.generation
+            return b
+        _BINDERS[module] = fresh
+        return fresh
+
+
+def _canonical(given: dict[str, torch.Tensor], b: _Binder, what: str) -> dict[str, torch.Tensor]:
+    alias = b.alias
+    unknown = [k for k in given if k not in alias]
+    if unknown:
+        raise KeyError(
+            f"fr.apply: state.{what} has {unknown[0]!r}, which the module does not have"
+            + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
+        )
+    if all(alias[k] == k for k in given):
+        return given
+    out: dict[str, torch.Tensor] = {}
+    for k, v in given.items():
+        c = alias[k]
+        if c in out and out[c] is not v:
+            raise ValueError(
+                f"fr.apply: state.{what} gives different tensors for the tied names {c!r} and {k!r}"
+            )
+        out[c] = v
+    return out
+
+
+def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tuple[Any, State]:
+    """Run ``module``'s forward with ``state`` bound; return ``(output, new_state)``.
+
+    Equivalent to ``torch.func.functional_call(module, {**params, **buffers},
+    args, kwargs)``, but safe to call from several threads at once on one
+    module, and nothing is modified: buffers are copied before the forward,
+    and their values after it (BatchNorm statistics) come back in
+    ``new_state.buffers``; ``new_state.params`` is ``state.params``. Names
+    missing from ``state`` fall back to the module's own tensors.
+
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> bn = nn.BatchNorm1d(2)
+    >>> s = state(bn)
+    >>> out, s2 = apply(bn, s, torch.randn(4, 2))
+    >>> int(s2.buffers["num_batches_tracked"]), int(s.buffers["num_batches_tracked"])
+    (1, 0)
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"fr.apply: module must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(
+            f"fr.apply: state must be an fr.State(params, buffers), got {type(state).__name__}"
+        )
+    b = _binder(module)
+    params = _canonical(state[0], b, "params")
+    buffers = _canonical(state[1], b, "buffers")
+    skel = b.acquire()
+    try:
+        for sd, od, (p, bu, mo) in zip(skel.dicts, b.orig_dicts, skel.owned):
+            sd.update(od)
+            sd["_parameters"] = p
+            sd["_buffers"] = bu
+            sd["_modules"] = mo
+        pget, bget = params.get, buffers.get
+        for d, key, canon, od in skel.param_slots:
+            v = pget(canon, _MISSING)
+            if v is _MISSING:
+                v = bget(canon, _MISSING)
+                if v is _MISSING:
+                    v = od[key]
+            d[key] = v
+        copies: dict[str, torch.Tensor] = {}
+        for d, key, canon, od in skel.buffer_slots:
+            v = copies.get(canon)
+            if v is None:
+                v = bget(canon, _MISSING)
+                if v is _MISSING:
+                    v = pget(canon, _MISSING)
+                    if v is _MISSING:
+                        v = od[key]
+                v = copies[canon] = v.clone()
+            d[key] = v
+        out = skel.root(*args, **kwargs)
+        new_buffers = {canon: d[key] for d, key, canon, _ in skel.buffer_slots}
+    finally:
+        for d, key, _, od in skel.param_slots:
+            d[key] = od.get(key)
+        for d, key, _, od in skel.buffer_slots:
+            d[key] = od.get(key)
+        b.release(skel)
+    ordered = {k: new_buffers[k] for k in buffers if k in new_buffers}
+    for k in b.buffer_names:
+        ordered.setdefault(k, new_buffers[k])
+    return out, State(state[0], ordered)

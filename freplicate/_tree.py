@@ -1,0 +1,165 @@
+"""Tree utilities: flatten with key paths, unflatten, alias detection, path naming.
+
+Every tree operation in freplicate is written once over a flat list of leaves
+with a closed-over treespec (optree's ``tree_ravel`` shape). This module is the
+only place that talks to optree, so that paths are named the same way in every
+error message: ``['layer1']['weight']``, ``[0].field``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+from optree import PyTreeSpec
+
+__all__ = [
+    "LazyPaths",
+    "PyTreeSpec",
+    "alias_groups",
+    "first_difference",
+    "flatten",
+    "flatten_with_paths",
+    "is_tensor",
+    "map_tensors",
+    "path_str",
+    "paths_of",
+    "unflatten",
+]
+
+
+def is_tensor(x: object) -> bool:
+    return isinstance(x, torch.Tensor)
+
+
+def flatten(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Flatten ``tree`` into its leaves (``None`` is a node, not a leaf)."""
+    leaves, spec = optree.tree_flatten(tree)
+    return leaves, spec
+
+
+def flatten_with_paths(tree: Any) -> tuple[list[str], list[Any], PyTreeSpec]:
+    """Flatten ``tree``; also return each leaf's path as source text.
+
+    >>> paths, leaves, _ = flatten_with_paths({"a": [1, 2], "b": None})
+    >>> paths
+    ["['a'][0]", "['a'][1]"]
+    """
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    return [path_str(a) for a in accessors], leaves, spec
+
+
+def path_str(accessor: Any) -> str:
+    """Render an optree accessor (or a tuple of keys) as ``['a'][0].field``."""
+    if isinstance(accessor, optree.PyTreeAccessor):
+        return accessor.codify("") or "<root>"
+    return "".join(f"[{k!r}]" for k in accessor) or "<root>"
+
+
+def paths_of(spec: PyTreeSpec) -> list[str]:
+    """Paths of the leaves described by ``spec``, in leaf order."""
+    return [path_str(a) for a in spec.accessors()]
+
+
+def unflatten(spec: PyTreeSpec, leaves: Sequence[Any]) -> Any:
+    return optree.tree_unflatten(spec, leaves)
+
+
+def alias_groups(leaves: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Deduplicate tensor leaves by identity.
+
+    Returns ``(unique, slot)``: ``unique`` lists the index of the first
+    occurrence of every distinct tensor object, and ``slot[i]`` is the position
+    in ``unique`` of leaf ``i`` (``-1`` for a non-tensor leaf). Tied weights
+    therefore appear once in ``unique`` and can be re-aliased afterwards.
+
+    >>> t = torch.ones(2)
+    >>> alias_groups([t, 3, t, torch.zeros(1)])
+    ([0, 3], [0, -1, 0, 1])
+    """
+    seen: dict[int, int] = {}
+    unique: list[int] = []
+    slot: list[int] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            key = id(leaf)
+            pos = seen.get(key)
+            if pos is None:
+                pos = seen[key] = len(unique)
+                unique.append(i)
+            slot.append(pos)
+        else:
+            slot.append(-1)
+    return unique, slot
+
+
+def first_difference(
+    specs: Sequence[PyTreeSpec], trees: Sequence[Any], what: str = "tree"
+) -> str | None:
+    """Describe the first path at which the structures of ``trees`` differ.
+
+    Returns ``None`` when all specs are equal. The text names the path and
+    what stands there in each differing tree, e.g.
+    ``at ['b']: dict with keys ('x',) in tree 0, list of 2 in tree 1``.
+    """
+    ref = specs[0]
+    for j in range(1, len(specs)):
+        if specs[j] == ref:
+            continue
+        where = _diff(trees[0], trees[j], optree.PyTreeAccessor())
+        return f"{what}s differ {where[0]}: {where[1]} in {what} 0, {where[2]} in {what} {j}"
+    return None
+
+
+def _describe(node: Any) -> str:
+    if node is None:
+        return "None"
+    if optree.tree_structure(node).is_leaf():
+        return f"a leaf of type {type(node).__name__}"
+    if isinstance(node, dict):
+        return f"{type(node).__name__} with keys {tuple(sorted(node, key=repr))}"
+    return f"{type(node).__name__} of {optree.tree_structure(node, is_leaf=lambda x: x is not node).num_children}"
+
+
+def _one_level(node: Any) -> tuple[list[Any], list[Any], PyTreeSpec]:
+    return optree.tree_flatten_with_accessor(node, is_leaf=lambda x: x is not node)
+
+
+def _diff(a: Any, b: Any, path: Any) -> tuple[str, str, str]:
+    where = "at " + (path_str(path) if len(path) else "the root")
+    acc_a, kids_a, spec_a = _one_level(a)
+    _, kids_b, spec_b = _one_level(b)
+    if spec_a != spec_b or spec_a.num_children == 0:
+        return where, _describe(a), _describe(b)
+    for acc, ca, cb in zip(acc_a, kids_a, kids_b):
+        if optree.tree_structure(ca) != optree.tree_structure(cb):
+            return _diff(ca, cb, path + acc)
+    return where, _describe(a), _describe(b)  # pragma: no cover
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """Apply ``fn`` to every tensor leaf; other leaves pass by reference."""
+    return optree.tree_map(lambda x: fn(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+class LazyPaths(Sequence[str]):
+    """Paths of the leaves ``unique`` (all leaves if ``None``) of ``spec``, computed on first read.
+
+    Hot paths hand these to the engine, which reads them only to raise.
+    """
+
+    def __init__(self, spec: PyTreeSpec, unique: Sequence[int] | None = None) -> None:
+        self._spec = spec
+        self._unique = unique
+        self._paths: list[str] | None = None
+
+    def __len__(self) -> int:
+        return len(self._unique) if self._unique is not None else self._spec.num_leaves
+
+    def __getitem__(self, i: Any) -> Any:
+        if self._paths is None:
+            every = paths_of(self._spec)
+            self._paths = every if self._unique is None else [every[j] for j in self._unique]
+        return self._paths[i]

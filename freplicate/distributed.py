@@ -1,0 +1,1 @@
+"""Multi-process data parallelism on torch.distributed (being written: issue 4)."""
