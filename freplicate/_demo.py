@@ -68,9 +68,8 @@ def _stateful_data_parallel_step(
     opt.zero_grad(set_to_none=True)
     with torch.no_grad():
         for name, p in module.named_parameters():
-            p.grad = sum(
-                dict(r.named_parameters())[name].grad.to(p.device) for r in replicas[: len(outs)]
-            )
+            copies = [dict(r.named_parameters())[name].grad for r in replicas[: len(outs)]]
+            p.grad = torch.stack([g.to(p.device) for g in copies if g is not None]).sum(0)
         for name, b in module.named_buffers():
             b.copy_(dict(replicas[0].named_buffers())[name])
     opt.step()
@@ -98,7 +97,11 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
     model = _model().to(devices[0])
     stateful = copy.deepcopy(model)
     opt = torch.optim.SGD(stateful.parameters(), lr=LR)
-    dp = nn.DataParallel(stateful, device_ids=devices) if on_cuda else None
+    dp = (
+        nn.DataParallel(stateful, device_ids=[torch.device(d) for d in devices])
+        if on_cuda
+        else None
+    )
     state = fr.state(model)
     params, buffers = state.params, state.buffers
 
@@ -162,7 +165,7 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
     print(
         "\n"
         + (
-            "OK: the functional and stateful paths agree (tolerance %.0e)." % tol
+            f"OK: the functional and stateful paths agree (tolerance {tol:.0e})."
             if ok
             else "MISMATCH: the functional and stateful paths disagree."
         )
