@@ -59,7 +59,12 @@ def as_device(spec: DeviceSpec, *, fn: str, arg: str = "device") -> torch.device
                 f"{fn}: {arg} is {str(device)!r} but this machine has "
                 f"{torch.cuda.device_count()} CUDA device(s)"
             )
-    elif device.type not in ("cpu", "meta"):
+    elif device.type in ("cpu", "meta"):
+        # tensors report plain 'cpu' / 'meta': 'cpu:0' must compare equal to their
+        # device, or a same-device leaf would be copied instead of shared
+        if device.index is not None:
+            device = torch.device(device.type)
+    else:
         module = getattr(torch, device.type, None)
         is_available = getattr(module, "is_available", None)
         if is_available is None or not is_available():
