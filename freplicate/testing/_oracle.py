@@ -1,0 +1,242 @@
+"""``check_against_stateful``: ``fr.data_parallel`` against PyTorch's stateful DataParallel.
+
+The functional side is what a user writes: ``fr.state``, ``fr.data_parallel``
+and ``torch.autograd.grad`` of a loss on the gathered output with respect to
+``state.params``. The stateful side runs on a deep copy of the module, so the
+caller's module is never touched: ``nn.DataParallel`` itself when the devices
+are distinct CUDA devices; otherwise (CPU, repeated or mixed devices, where
+``nn.DataParallel`` cannot run) the same steps DataParallel takes, done by
+hand: scatter the inputs as ``nn.parallel.scatter_kwargs`` does, one deep copy
+of the module per shard, forward each copy, gather the outputs onto the first
+device, backward, sum each parameter's gradients over the copies (what
+``Broadcast``'s backward does), and keep the buffers of replica 0 (whose
+buffers, in DataParallel, are the module's own). The loss is a fixed random
+weighting of every floating-point output, so that every output element
+carries its own gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import optree
+import torch
+from torch import nn
+
+import freplicate as fr
+
+from ._assertions import assert_trees_close
+
+__all__ = ["check_against_stateful"]
+
+
+def check_against_stateful(
+    module: nn.Module,
+    inputs: Any,
+    devices: Sequence[Any],
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
+    """Assert that ``fr.data_parallel`` gives DataParallel's outputs, gradients and buffers.
+
+    ``inputs`` is a tuple of positional arguments (a single tensor may be
+    given as is, and a dict is taken as keyword arguments: exactly what the
+    ``inputs`` strategy of ``fr.testing.modules()`` draws). Compares the
+    gathered outputs, the gradients of a loss on them with respect to every
+    parameter that requires grad (zero where PyTorch leaves ``None``), and the
+    buffers after the call, with ``assert_trees_close(rtol=, atol=)``; also
+    asserts that neither the module's tensors nor the inputs were modified.
+    Raises ``AssertionError`` naming what differs and where.
+
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
+    >>> check_against_stateful(model, (torch.randn(6, 3),), ["cpu", "cpu", "cpu"])
+    """
+    args, kwargs = _arguments(inputs)
+    devs = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+    if not devs:
+        raise ValueError("check_against_stateful: devices must name at least one device")
+    before = _snapshot((module, args, kwargs))
+
+    out_f, grads_f, buffers_f = _functional(module, args, kwargs, devices)
+    _check_unchanged(before, "fr.data_parallel")
+    out_s, grads_s, buffers_s = _stateful(module, args, kwargs, devs)
+    _check_unchanged(before, "the stateful path")
+
+    for what, actual, expected in (
+        ("outputs", out_f, out_s),
+        ("gradients", grads_f, grads_s),
+        ("buffers", buffers_f, buffers_s),
+    ):
+        try:
+            assert_trees_close(actual, expected, rtol=rtol, atol=atol)
+        except AssertionError as err:
+            raise AssertionError(
+                f"check_against_stateful: {what} of fr.data_parallel differ from the stateful "
+                f"path's on devices {[str(d) for d in devs]}: {err}"
+            ) from None
+
+
+def _arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    raise TypeError(
+        "check_against_stateful: inputs must be a tuple of positional arguments, a tensor, "
+        f"or a dict of keyword arguments, got {type(inputs).__name__}"
+    )
+
+
+def _loss(out: Any) -> torch.Tensor | None:
+    """A fixed random weighting of every floating-point output element, summed."""
+    total: torch.Tensor | None = None
+    for i, leaf in enumerate(optree.tree_leaves(out)):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            g = torch.Generator().manual_seed(i)
+            weight = torch.randn(leaf.shape, generator=g).to(leaf.dtype).to(leaf.device)
+            term = (leaf * weight).sum()
+            total = term if total is None else total + term.to(total.device)
+    return total
+
+
+def _functional(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[Any]
+) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    s = fr.state(module)
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    params = {
+        name: p.detach().requires_grad_(True) if name in trainable else p
+        for name, p in s.params.items()
+    }
+    out, new = fr.data_parallel(
+        module, fr.State(params, s.buffers), *args, devices=devices, **kwargs
+    )
+    wrt = [params[name] for name in params if name in trainable]
+    loss = _loss(out)
+    if loss is not None and loss.requires_grad and wrt:
+        grads = torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True)
+    else:
+        grads = tuple(torch.zeros_like(p) for p in wrt)
+    named = dict(zip([n for n in params if n in trainable], grads))
+    return _detached(out), named, dict(new.buffers)
+
+
+def _stateful(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], devs: list[torch.device]
+) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    home = {name: t.device for name, t in module.named_parameters()}
+    home.update({name: t.device for name, t in module.named_buffers()})
+    base = copy.deepcopy(module)
+    distinct_cuda = all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
+    if distinct_cuda:
+        base.to(devs[0])
+        dp = nn.DataParallel(base, device_ids=[d.index for d in devs], output_device=devs[0].index)
+        out = dp(*args, **kwargs)
+        replicas = [base]
+    else:
+        out, replicas = _data_parallel_by_hand(base, args, kwargs, devs)
+    loss = _loss(out)
+    if loss is not None and loss.requires_grad:
+        loss.backward()
+    grads: dict[str, torch.Tensor] = {}
+    per_replica = [dict(r.named_parameters()) for r in replicas]
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        total = torch.zeros_like(p)
+        for named in per_replica:
+            g = named[name].grad
+            if g is not None:
+                total = total + g.to(home[name])
+        grads[name] = total
+    buffers = {name: b.to(home[name]) for name, b in replicas[0].named_buffers()}
+    return _detached(out), grads, buffers
+
+
+def _data_parallel_by_hand(
+    base: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], devs: list[torch.device]
+) -> tuple[Any, list[nn.Module]]:
+    shards_args, shards_kwargs = _scatter_kwargs(args, kwargs, devs)
+    if not shards_args:
+        shards_args, shards_kwargs = [()], [{}]
+    replicas = [copy.deepcopy(base).to(d) for d in devs[: len(shards_args)]]
+    outs = [r(*a, **k) for r, a, k in zip(replicas, shards_args, shards_kwargs)]
+    if len(devs) == 1:  # DataParallel calls a lone device's module directly: no gather
+        return outs[0], replicas
+    return _gather(outs, devs[0]), replicas
+
+
+def _scatter(obj: Any, devs: list[torch.device]) -> list[Any]:
+    """``nn.parallel.scatter``: chunk tensors, recurse into containers, share the rest."""
+    if isinstance(obj, torch.Tensor):
+        return [c.to(d) for c, d in zip(obj.chunk(len(devs)), devs)]
+    if isinstance(obj, tuple) and hasattr(obj, "_fields") and len(obj) > 0:
+        return [type(obj)(*xs) for xs in zip(*(_scatter(x, devs) for x in obj))]
+    if isinstance(obj, tuple) and len(obj) > 0:
+        return list(zip(*(_scatter(x, devs) for x in obj)))
+    if isinstance(obj, list) and len(obj) > 0:
+        return [list(xs) for xs in zip(*(_scatter(x, devs) for x in obj))]
+    if isinstance(obj, dict) and len(obj) > 0:
+        return [type(obj)(kv) for kv in zip(*(_scatter(kv, devs) for kv in obj.items()))]
+    return [obj for _ in devs]
+
+
+def _scatter_kwargs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], devs: list[torch.device]
+) -> tuple[list[Any], list[Any]]:
+    """``nn.parallel.scatter_kwargs``: shards of args and kwargs, padded to one length."""
+    sa: list[Any] = _scatter(args, devs) if args else []
+    sk: list[Any] = _scatter(kwargs, devs) if kwargs else []
+    sa += [() for _ in range(len(sk) - len(sa))]
+    sk += [{} for _ in range(len(sa) - len(sk))]
+    return sa, sk
+
+
+def _gather(outs: list[Any], device: torch.device) -> Any:
+    """``nn.parallel.gather``: concatenate tensors along dim 0 (0-dim ones stacked)."""
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        parts = [o.to(device) for o in outs]
+        return torch.cat([p.unsqueeze(0) if p.dim() == 0 else p for p in parts])
+    if first is None:
+        return None
+    if isinstance(first, dict):
+        return type(first)((k, _gather([o[k] for o in outs], device)) for k in first)
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(_gather(list(xs), device) for xs in zip(*outs)))
+    if isinstance(first, (tuple, list)):
+        return type(first)(_gather(list(xs), device) for xs in zip(*outs))
+    # DataParallel cannot gather other leaves; fr.gather's rule: equal ones come back once
+    return first if all(o == first for o in outs) else tuple(outs)
+
+
+def _detached(tree: Any) -> Any:
+    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+
+
+def _snapshot(tree: Any) -> list[tuple[str, torch.Tensor, int, torch.Tensor]]:
+    module, args, kwargs = tree
+    found: list[tuple[str, torch.Tensor]] = [
+        (f"the module's {name!r}", t)
+        for name, t in (*module.named_parameters(), *module.named_buffers())
+    ]
+    inputs: Any = (args, kwargs)
+    accessors, leaves, _ = optree.tree_flatten_with_accessor(inputs)
+    for accessor, leaf in zip(accessors, leaves):
+        if isinstance(leaf, torch.Tensor):
+            which = "args" if accessor[0].entry == 0 else "kwargs"
+            found.append((f"input {which}{optree.PyTreeAccessor(accessor[1:]).codify('')}", leaf))
+    return [(what, t, t._version, t.detach().clone()) for what, t in found]
+
+
+def _check_unchanged(before: list[tuple[str, torch.Tensor, int, torch.Tensor]], by: str) -> None:
+    for what, t, version, value in before:
+        if t._version != version or not torch.equal(t.detach(), value):
+            raise AssertionError(f"check_against_stateful: {by} modified {what}")
