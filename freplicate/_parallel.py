@@ -70,12 +70,20 @@ def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
     return _scatter(tree, devs, dim, "fr.scatter")
 
 
-def _scatter(tree: T, devs: list[torch.device], dim: int, fn: str) -> list[T]:
+def _scatter(
+    tree: T,
+    devs: list[torch.device],
+    dim: int,
+    fn: str,
+    rename: Callable[[str], str] | None = None,
+) -> list[T]:
     leaves, spec = _tree.flatten(tree)
     unique, slot = _tree.alias_groups(leaves)
     if not unique:
         return [tree for _ in devs]
-    paths = _tree.LazyPaths(spec, unique)
+    paths: Sequence[str] = _tree.LazyPaths(spec, unique)
+    if rename is not None:
+        paths = _Renamed(paths, rename)
     chunks = [_chunk(leaves[i], len(devs), dim, paths, k, fn) for k, i in enumerate(unique)]
     n = min(len(c) for c in chunks)
     shards: list[T] = []
@@ -86,6 +94,25 @@ def _scatter(tree: T, devs: list[torch.device], dim: int, fn: str) -> list[T]:
             _tree.unflatten(spec, [moved[s] if s >= 0 else x for x, s in zip(leaves, slot)])
         )
     return shards
+
+
+class _Renamed(Sequence[str]):
+    """Paths shown as the caller names its tree (``inputs[0]``, ``batch[1]``), read only to raise."""
+
+    def __init__(self, paths: Sequence[str], rename: Callable[[str], str]) -> None:
+        self._paths = paths
+        self._rename = rename
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._rename(self._paths[i])
+
+
+def _as_call_args(path: str) -> str:
+    # data_parallel scatters the tree (inputs, kwargs): show its paths as such
+    return ("inputs" if path.startswith("[0]") else "kwargs") + path[3:]
 
 
 def _chunk(
@@ -420,7 +447,7 @@ def data_parallel(
     if not inputs and not kwargs:
         shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {})]
     else:
-        shards = _scatter((inputs, kwargs), devs, dim, name)
+        shards = _scatter((inputs, kwargs), devs, dim, name, _as_call_args)
     used = devs[: len(shards)]
     replicas = replicate(state, used)
     results = _parallel_apply(
@@ -630,7 +657,7 @@ def data_parallel_grad(
     per_device = grad_and_value(loss_fn, has_aux=has_aux)
 
     def step(params: Any, *batch: Any) -> tuple[Any, Any]:
-        shards = _scatter(batch, devs, 0, name)
+        shards = _scatter(batch, devs, 0, name, lambda p: f"batch{p}")
         used = devs[: len(shards)]
         replicas = replicate(params, used)
         results = _parallel_apply(

@@ -1,0 +1,786 @@
+"""fr.scatter, fr.gather, fr.parallel_apply, fr.data_parallel, fr.all_reduce, fr.data_parallel_grad.
+
+The oracle is the stateful design: per-replica deep copies of the module
+driven through autograd as ``nn.DataParallel`` drives its replicas
+(``tests/_oracles.py``), ``torch.func.grad`` / ``loss.backward()`` on the full
+batch for the DDP-style gradient, and ``nn.DataParallel`` itself where CUDA is
+available. Every call is also checked to leave its inputs unchanged.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import freplicate as fr
+
+_spec = importlib.util.spec_from_file_location("_oracles", Path(__file__).with_name("_oracles.py"))
+assert _spec is not None and _spec.loader is not None
+oracles = importlib.util.module_from_spec(_spec)
+sys.modules.setdefault("_oracles", oracles)
+_spec.loader.exec_module(oracles)
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+DEVICE_LISTS = [["cpu"], ["cpu", "cpu"], ["cpu", "cpu", "cpu"]]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def snapshot(*trees: Any) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    leaves = [x for x in optree.tree_leaves(trees) if isinstance(x, torch.Tensor)]
+    return [(t, t._version, t.detach().clone()) for t in leaves]
+
+
+def assert_unchanged(snap: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    for t, version, values in snap:
+        assert t._version == version
+        torch.testing.assert_close(t.detach(), values, rtol=0, atol=0, equal_nan=True)
+
+
+def assert_trees_close(actual: Any, expected: Any, **tol: Any) -> None:
+    a_leaves, a_spec = optree.tree_flatten(actual)
+    e_leaves, e_spec = optree.tree_flatten(expected)
+    assert a_spec == e_spec, (a_spec, e_spec)
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            torch.testing.assert_close(a, e, **tol)
+        else:
+            assert a == e
+
+
+class Pair(NamedTuple):
+    left: Any
+    right: Any
+
+
+# --------------------------------------------------------------------------- scatter
+
+
+def test_scatter_cuts_every_leaf_as_torch_chunk_and_shares_the_rest() -> None:
+    x, y = torch.randn(7, 3), torch.randn(2, 7)
+    tag = object()
+    tree = {"a": [x, None, "s"], "b": Pair(y, tag), "c": (3,)}
+    snap = snapshot(tree)
+    shards = fr.scatter(tree, ["cpu"] * 3, dim=-1)
+    assert_unchanged(snap)
+    # dim=-1 cuts x (7, 3) along its columns and y (2, 7) along its 7
+    for i, shard in enumerate(shards):
+        torch.testing.assert_close(shard["a"][0], torch.chunk(x, 3, -1)[i])
+        torch.testing.assert_close(shard["b"].left, y.chunk(3, -1)[i])
+        assert shard["b"].right is tag and shard["a"][2] == "s" and shard["a"][1] is None
+        assert isinstance(shard["b"], Pair) and shard["c"] == (3,)
+
+
+def test_scatter_matches_the_reference_recursion() -> None:
+    tree = (torch.randn(8, 2), {"k": [torch.randn(8), 5]}, Pair(torch.randn(8, 1), "t"))
+    expected = oracles.reference_scatter(tree, 3)
+    got = fr.scatter(tree, ["cpu"] * 3)
+    assert len(got) == len(expected) == 3
+    for g, e in zip(got, expected):
+        assert_trees_close(g, tuple(e), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("batch", "n", "shards"), [(3, 4, 3), (5, 4, 3), (8, 4, 4), (1, 2, 1)])
+def test_scatter_gives_fewer_shards_when_torch_chunk_does(batch: int, n: int, shards: int) -> None:
+    x = torch.arange(float(batch))
+    out = fr.scatter({"x": x}, ["cpu"] * n)
+    assert len(out) == shards == len(torch.chunk(x, n))
+    torch.testing.assert_close(torch.cat([s["x"] for s in out]), x)
+
+
+def test_scatter_follows_the_leaf_with_fewest_chunks() -> None:
+    # as nn.parallel.scatter (its zip stops at the shortest)
+    out = fr.scatter((torch.ones(8), torch.ones(2)), ["cpu"] * 4)
+    assert len(out) == 2 == len(oracles.reference_scatter((torch.ones(8), torch.ones(2)), 4))
+    assert [s[0].shape[0] for s in out] == [2, 2]
+
+
+def test_scatter_without_tensors_gives_one_shard_per_device() -> None:
+    assert fr.scatter({"a": 1, "b": "x"}, ["cpu", "cpu"]) == [{"a": 1, "b": "x"}] * 2
+
+
+def test_scatter_keeps_tied_leaves_tied() -> None:
+    t = torch.randn(4, 2)
+    shards = fr.scatter([t, t], ["cpu", "meta"])
+    assert shards[0][0] is shards[0][1] and shards[1][0] is shards[1][1]
+    assert shards[1][0].device.type == "meta"
+
+
+def test_scatter_moves_chunk_i_to_device_i() -> None:
+    shards = fr.scatter({"x": torch.randn(4, 2), "i": torch.arange(4)}, ["cpu", "meta"])
+    assert [s["x"].device.type for s in shards] == ["cpu", "meta"]
+    assert shards[1]["i"].dtype == torch.int64 and shards[1]["i"].shape == (2,)
+
+
+def test_scatter_is_differentiable() -> None:
+    x = torch.randn(6, 3, requires_grad=True)
+    w = torch.arange(3.0) + 1
+    shards = fr.scatter(x, ["cpu"] * 3)
+    sum(s.sum() * w[i] for i, s in enumerate(shards)).backward()  # type: ignore[union-attr]
+    torch.testing.assert_close(x.grad, w.repeat_interleave(2)[:, None].expand(6, 3))
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return sum((s**2).sum() * (i + 1) for i, s in enumerate(fr.scatter(x, ["cpu"] * 2)))  # type: ignore[return-value]
+
+    g = torch.func.grad(f)(x.detach())
+    torch.testing.assert_close(g, 2 * x.detach() * torch.tensor([1.0, 1, 1, 2, 2, 2])[:, None])
+
+
+def test_scatter_rejects_bad_input() -> None:
+    x = torch.randn(4, 2)
+    snap = snapshot(x)
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.scatter: dim=2 is out of range for the tensor at \['b'\]\[0\] of shape \(4, 2\)",
+    ):
+        fr.scatter({"b": [x]}, ["cpu"], dim=2)
+    with pytest.raises(ValueError, match=r"fr\.scatter: the tensor at \['s'\] is 0-dim"):
+        fr.scatter({"x": x, "s": torch.tensor(1.0)}, ["cpu"])
+    with pytest.raises(ValueError, match=r"fr\.scatter: devices is empty"):
+        fr.scatter(x, [])
+    with pytest.raises(ValueError, match=r"fr\.scatter: devices\[1\] is not a device"):
+        fr.scatter(x, ["cpu", "tpu:0"])
+    assert_unchanged(snap)
+
+
+# --------------------------------------------------------------------------- gather
+
+
+@dataclasses.dataclass
+class Info:
+    n: int
+
+
+def test_gather_concatenates_and_handles_what_dataparallel_breaks_on() -> None:
+    trees = [
+        {
+            "y": torch.randn(2, 3),
+            "s": torch.tensor(1.0),
+            "name": "a",
+            "k": 4,
+            "d": Info(1),
+            "z": None,
+        },
+        {
+            "y": torch.randn(1, 3),
+            "s": torch.tensor(2.0),
+            "name": "b",
+            "k": 4,
+            "d": Info(1),
+            "z": None,
+        },
+    ]
+    snap = snapshot(trees)
+    out = fr.gather(trees, "cpu")
+    assert_unchanged(snap)
+    torch.testing.assert_close(out["y"], torch.cat([trees[0]["y"], trees[1]["y"]]))
+    torch.testing.assert_close(out["s"], torch.tensor([1.0, 2.0]))
+    assert out["name"] == ("a", "b") and out["k"] == 4 and out["d"] == Info(1) and out["z"] is None
+
+
+def test_gather_matches_the_reference_on_tensor_trees() -> None:
+    trees = [Pair([torch.randn(3, i + 1)], {"l": torch.tensor(float(i))}) for i in range(3)]
+    assert_trees_close(fr.gather(trees, "cpu", dim=1), oracles.reference_gather(trees, 1))
+    assert_trees_close(fr.gather(trees, "cpu", dim=-1), oracles.reference_gather(trees, 1))
+
+
+def test_gather_undoes_scatter_and_moves_to_the_device() -> None:
+    x = {"a": torch.randn(9, 2), "b": [torch.randint(0, 5, (9,))]}
+    assert_trees_close(fr.gather(fr.scatter(x, ["cpu"] * 4), "cpu"), x, rtol=0, atol=0)
+    on_meta = fr.gather(fr.scatter(x, ["cpu"] * 2), "meta")
+    assert on_meta["a"].device.type == "meta" and on_meta["a"].shape == (9, 2)
+
+
+def test_gather_is_differentiable() -> None:
+    a = torch.randn(2, 3, requires_grad=True)
+    b = torch.randn(4, 3, requires_grad=True)
+    s = torch.tensor(2.0, requires_grad=True)
+    out = fr.gather([{"y": a, "s": s}, {"y": b, "s": s * 3}], "cpu")
+    w = torch.arange(6.0)[:, None]
+    ((out["y"] * w).sum() + out["s"].sum()).backward()
+    torch.testing.assert_close(a.grad, w[:2].expand(2, 3))
+    torch.testing.assert_close(b.grad, w[2:].expand(4, 3))
+    torch.testing.assert_close(s.grad, torch.tensor(4.0))
+
+    g = torch.func.grad(lambda a: (fr.gather([a, a * 2], "cpu") ** 2).sum())(a.detach())
+    torch.testing.assert_close(g, 10 * a.detach())
+
+
+def test_gather_rejects_bad_input() -> None:
+    t = torch.ones(2)
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: trees differ at \['b'\]: list of 2 in tree 0, list of 1 in tree 1",
+    ):
+        fr.gather([{"a": t, "b": [t, t]}, {"a": t, "b": [t]}], "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: trees differ at \['a'\]: a tensor of shape \(2,\) in tree 0, a int \(3\) in tree 1",
+    ):
+        fr.gather([{"a": t}, {"a": 3}], "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: trees differ at \[0\]: shape \(\) in tree 0, \(2,\) in tree 1",
+    ):
+        fr.gather([(torch.tensor(1.0),), (t,)], "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: dim=1 is out of range for the tensor at <root> of shape \(2,\)",
+    ):
+        fr.gather([t, t], "cpu", dim=1)
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: cannot concatenate the tensors at \['x'\] along dim 0: shapes \(2, 1\), \(2, 3\)",
+    ):
+        fr.gather([{"x": torch.ones(2, 1)}, {"x": torch.ones(2, 3)}], "cpu")
+    with pytest.raises(ValueError, match=r"fr\.gather: trees is empty"):
+        fr.gather([], "cpu")
+    with pytest.raises(ValueError, match=r"fr\.gather: device is not a device"):
+        fr.gather([t], "gpu")
+
+
+# --------------------------------------------------------------------------- parallel_apply
+
+
+def test_parallel_apply_runs_every_replica_at_once_in_threads_that_end() -> None:
+    before = threading.active_count()
+    barrier = threading.Barrier(3, timeout=20)  # breaks (and fails the test) if run one at a time
+    idents: list[int] = []
+
+    def fn(w: torch.Tensor, x: torch.Tensor, *, k: int) -> torch.Tensor:
+        idents.append(threading.get_ident())
+        barrier.wait()
+        return w * x + k
+
+    ws = [torch.tensor(float(i)) for i in range(3)]
+    xs = [(torch.tensor(10.0),), [torch.tensor(20.0)], torch.tensor(30.0)]
+    out = fr.parallel_apply(fn, ws, xs, devices=["cpu"] * 3, kwargs=[{"k": 1}, {"k": 2}, {"k": 3}])
+    assert out == [torch.tensor(1.0), torch.tensor(22.0), torch.tensor(63.0)]
+    assert len(set(idents)) == 3 and threading.get_ident() in idents
+    assert threading.active_count() == before
+
+
+def test_parallel_apply_with_one_replica_runs_inline() -> None:
+    out = fr.parallel_apply(lambda r, x: (r, threading.get_ident()), ["r"], [(1,)])
+    assert out == [("r", threading.get_ident())]
+
+
+@pytest.mark.parametrize("mode", ["enabled", "no_grad", "inference", "autocast"])
+def test_parallel_apply_runs_in_the_callers_modes(mode: str) -> None:
+    def fn(r: Any) -> tuple[bool, bool, bool]:
+        return (
+            torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(),
+            torch.is_autocast_enabled("cpu"),
+        )
+
+    ctx = {
+        "enabled": torch.enable_grad(),
+        "no_grad": torch.no_grad(),
+        "inference": torch.inference_mode(),
+        "autocast": torch.autocast("cpu", dtype=torch.bfloat16),
+    }[mode]
+    with ctx:
+        expected = fn(None)
+        out = fr.parallel_apply(fn, [0, 1, 2], [(), (), ()])
+    assert out == [expected] * 3
+    assert (
+        expected
+        == {
+            "enabled": (True, False, False),
+            "no_grad": (False, False, False),
+            "inference": (False, True, False),
+            "autocast": (True, False, True),
+        }[mode]
+    )
+
+
+def test_parallel_apply_autocast_really_applies_in_workers() -> None:
+    w = torch.randn(3, 3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fr.parallel_apply(lambda w, x: w @ x, [w, w], [(w,), (w,)])
+    assert [o.dtype for o in out] == [torch.bfloat16] * 2
+
+
+def test_parallel_apply_reraises_with_index_and_device() -> None:
+    before = threading.active_count()
+
+    def fn(r: int) -> int:
+        if r == 1:
+            raise ValueError("boom")
+        return r
+
+    with pytest.raises(
+        ValueError, match=r"^fr\.parallel_apply: replica 1 on cpu raised ValueError: boom$"
+    ) as info:
+        fr.parallel_apply(fn, [0, 1, 2], [(), (), ()], devices=["cpu"] * 3)
+    assert isinstance(info.value.__cause__, ValueError) and str(info.value.__cause__) == "boom"
+    assert threading.active_count() == before
+
+    with pytest.raises(KeyError, match=r"replica 0 \(device unknown\) raised KeyError: 'k'"):
+        fr.parallel_apply(lambda d: d["k"], [{}, {}], [(), ()])
+
+
+class Picky(Exception):
+    def __init__(self, code: int, detail: str) -> None:
+        super().__init__(code, detail)
+
+
+def test_parallel_apply_falls_back_when_the_type_needs_more_than_a_message() -> None:
+    def fn(r: int) -> None:
+        raise Picky(7, "bad")
+
+    with pytest.raises(RuntimeError, match=r"replica 0 on cpu raised Picky: \(7, 'bad'\)") as info:
+        fr.parallel_apply(fn, [0, 1], [(), ()], devices=["cpu", "cpu"])
+    assert isinstance(info.value.__cause__, Picky)
+
+
+def test_parallel_apply_under_torch_func_grad_is_correct() -> None:
+    # torch.func's state is thread-local: threads would silently see no transform
+    x1, x2 = torch.randn(3), torch.randn(3)
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        outs = fr.parallel_apply(lambda r, x: (r * x).sum(), [w, w], [(x1,), (x2,)])
+        return outs[0] + outs[1]
+
+    torch.testing.assert_close(torch.func.grad(f)(torch.ones(3)), x1 + x2)
+
+
+def test_parallel_apply_rejects_lengths_that_disagree() -> None:
+    fn = lambda r, *a: r  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"fr\.parallel_apply: replicas has 2 entries but inputs has 3"
+    ):
+        fr.parallel_apply(fn, [0, 1], [(), (), ()])
+    with pytest.raises(
+        ValueError, match=r"fr\.parallel_apply: replicas has 2 entries but devices has 1"
+    ):
+        fr.parallel_apply(fn, [0, 1], [(), ()], devices=["cpu"])
+    with pytest.raises(
+        ValueError, match=r"fr\.parallel_apply: replicas has 2 entries but kwargs has 1"
+    ):
+        fr.parallel_apply(fn, [0, 1], [(), ()], kwargs=[{}])
+    with pytest.raises(ValueError, match=r"fr\.parallel_apply: replicas is empty"):
+        fr.parallel_apply(fn, [], [])
+    with pytest.raises(ValueError, match=r"fr\.parallel_apply: devices is empty"):
+        fr.parallel_apply(fn, [0], [()], devices=[])
+
+
+# --------------------------------------------------------------------------- data_parallel vs the stateful oracle
+
+
+class Nested(nn.Module):
+    """Nested inputs, kwargs, and an output with a 0-dim and a non-tensor leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(2, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, inp: dict[str, Any], *, scale: torch.Tensor, tag: str = "t") -> Any:
+        h = self.bn(self.a(inp["x"]) + self.b(inp["pair"][0]) * scale[:, None])
+        return {"h": h, "extra": (inp["pair"][1] * 2,), "mean": (h**2).mean(), "tag": tag}
+
+
+def _nested_loss(out: Any) -> torch.Tensor:
+    return out["h"].pow(2).sum() + out["h"].sum() + out["extra"][0].sum() + out["mean"].sum()
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).sum() + out.sum()
+
+
+def _models() -> dict[str, tuple[nn.Module, Any, Any]]:
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    return {
+        "mlp": (
+            nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3)),
+            (torch.randn(6, 5),),
+            {},
+        ),
+        "conv": (
+            nn.Sequential(
+                nn.Conv2d(2, 3, 3, padding=1),
+                nn.BatchNorm2d(3),
+                nn.ReLU(),
+                nn.Flatten(),
+                nn.Linear(48, 2),
+            ),
+            (torch.randn(6, 2, 4, 4),),
+            {},
+        ),
+        "bn": (
+            nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 2)),
+            (torch.randn(6, 5),),
+            {},
+        ),
+        "tied": (nn.Sequential(lin, nn.Tanh(), lin), (torch.randn(6, 4),), {}),
+        "nested": (
+            Nested(),
+            ({"x": torch.randn(6, 4), "pair": [torch.randn(6, 2), torch.randn(6, 1)]},),
+            {"scale": torch.randn(6), "tag": "z"},
+        ),
+    }
+
+
+MODELS = _models()
+
+
+def _fr_step(
+    module: nn.Module, inputs: Any, kwargs: Any, devices: list[str], loss_fn: Any, **options: Any
+) -> tuple[Any, dict[str, torch.Tensor], fr.State]:
+    s = fr.state(module)
+    params = {k: v.clone().requires_grad_() for k, v in s.params.items()}
+    buffers = {k: v.clone() for k, v in s.buffers.items()}
+    given = fr.State(params, buffers)
+    snap = snapshot(given, inputs, kwargs, s)
+    out, new = fr.data_parallel(module, given, *inputs, devices=devices, **kwargs, **options)
+    assert_unchanged(snap)
+    assert new.params is params
+    names = list(params)
+    grads = torch.autograd.grad(
+        loss_fn(out), [params[k] for k in names], allow_unused=True, materialize_grads=True
+    )
+    return out, dict(zip(names, grads)), new
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS, ids=len)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_data_parallel_equals_the_stateful_replicas(name: str, devices: list[str]) -> None:
+    module, inputs, kwargs = MODELS[name]
+    loss_fn = _nested_loss if name == "nested" else _loss
+    out, grads, new = _fr_step(module, inputs, kwargs, devices, loss_fn)
+    ref_out, ref_grads, ref_buffers, _ = oracles.stateful_data_parallel(
+        module, inputs, kwargs, len(devices), loss_fn
+    )
+    assert_trees_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    assert_trees_close(new.buffers, ref_buffers, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "batch"), [("mlp", 2), ("bn", 4)])
+def test_data_parallel_with_a_batch_smaller_than_the_devices(name: str, batch: int) -> None:
+    module, inputs, _ = MODELS[name]
+    inputs = (inputs[0][:batch],)
+    devices = ["cpu"] * 3
+    out, grads, new = _fr_step(module, inputs, {}, devices, _loss)
+    ref_out, ref_grads, ref_buffers, copies = oracles.stateful_data_parallel(
+        module, inputs, {}, 3, _loss
+    )
+    assert len(copies) == 2
+    assert_trees_close(out, ref_out, rtol=1e-6, atol=1e-6)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    assert_trees_close(new.buffers, ref_buffers, rtol=1e-6, atol=1e-6)
+
+
+def test_data_parallel_buffers_mean_averages_floating_buffers() -> None:
+    module, inputs, _ = MODELS["bn"]
+    _, _, new = _fr_step(module, inputs, {}, ["cpu"] * 3, _loss, buffers="mean")
+    _, _, _, copies = oracles.stateful_data_parallel(module, inputs, {}, 3, _loss)
+    per_copy = [dict(c.named_buffers()) for c in copies]
+    for k, v in new.buffers.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(v, torch.stack([b[k] for b in per_copy]).mean(0))
+        else:
+            torch.testing.assert_close(v, per_copy[0][k], rtol=0, atol=0)
+    assert int(new.buffers["1.num_batches_tracked"]) == 1
+
+
+def test_data_parallel_under_torch_func_grad_equals_the_oracle() -> None:
+    module, inputs, kwargs = MODELS["nested"]
+    s = fr.state(module)
+    snap = snapshot(s, inputs, kwargs)
+
+    def f(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.data_parallel(
+            module, fr.State(params, s.buffers), *inputs, devices=["cpu"] * 2, **kwargs
+        )
+        return _nested_loss(out)
+
+    grads = torch.func.grad(f)(s.params)
+    assert_unchanged(snap)
+    _, ref_grads, _, _ = oracles.stateful_data_parallel(module, inputs, kwargs, 2, _nested_loss)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_runs_replicas_concurrently() -> None:
+    class Meet(nn.Module):
+        def __init__(self, parties: int) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.barrier = threading.Barrier(parties, timeout=20)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.barrier.wait()
+            return self.lin(x)
+
+    m = Meet(3)
+    before = threading.active_count()
+    out, _ = fr.data_parallel(m, fr.state(m), torch.randn(6, 2), devices=["cpu"] * 3)
+    assert out.shape == (6, 2) and threading.active_count() == before
+
+
+def test_data_parallel_output_device_dim_and_no_inputs() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(3, 2)
+    x = torch.randn(2, 6, 3)
+    out, _ = fr.data_parallel(
+        lin, fr.state(lin), x, devices=["cpu", "cpu"], dim=1, output_device="meta"
+    )
+    assert out.device.type == "meta" and out.shape == (2, 6, 2)
+    out, _ = fr.data_parallel(lin, fr.state(lin), x, devices=["cpu"] * 3, dim=1)
+    torch.testing.assert_close(out, lin(x).detach())
+
+    class Const(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self) -> torch.Tensor:
+            return self.w * 2
+
+    c = Const()
+    out, _ = fr.data_parallel(c, fr.state(c), devices=["cpu", "cpu"])
+    torch.testing.assert_close(out, torch.full((2,), 2.0))  # one replica, as nn.DataParallel
+
+
+def test_data_parallel_reports_the_failing_replica() -> None:
+    lin = nn.Linear(3, 2)
+    with pytest.raises(
+        RuntimeError, match=r"fr\.data_parallel: replica 0 on cpu raised RuntimeError: .*shapes"
+    ):
+        fr.data_parallel(lin, fr.state(lin), torch.randn(4, 5), devices=["cpu", "cpu"])
+
+
+def test_data_parallel_rejects_bad_input() -> None:
+    lin = nn.Linear(3, 2)
+    s, x = fr.state(lin), torch.randn(4, 3)
+    snap = snapshot(s, x)
+    with pytest.raises(
+        ValueError, match=r"fr\.data_parallel: buffers must be 'first' or 'mean', got 'last'"
+    ):
+        fr.data_parallel(lin, s, x, devices=["cpu"], buffers="last")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fr\.data_parallel: devices is empty"):
+        fr.data_parallel(lin, s, x, devices=[])
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.data_parallel: dim=3 is out of range for the tensor at inputs\[0\] of shape \(4, 3\)",
+    ):
+        fr.data_parallel(lin, s, x, devices=["cpu"], dim=3)
+    with pytest.raises(
+        ValueError, match=r"fr\.data_parallel: the tensor at kwargs\['scale'\] is 0-dim"
+    ):
+        fr.data_parallel(lin, s, x, devices=["cpu"], scale=torch.tensor(2.0))
+    with pytest.raises(ValueError, match=r"fr\.data_parallel: output_device is not a device"):
+        fr.data_parallel(lin, s, x, devices=["cpu"], output_device="nope")
+    assert_unchanged(snap)
+
+
+def _to_cuda(tree: Any) -> Any:
+    return optree.tree_map(lambda t: t.cuda() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["mlp", "conv", "bn", "nested"])
+def test_data_parallel_equals_nn_dataparallel_on_cuda(name: str) -> None:
+    module, inputs, kwargs = MODELS[name]
+    loss_fn = _nested_loss if name == "nested" else _loss
+    module = copy.deepcopy(module).cuda()
+    inputs, kwargs = _to_cuda((inputs, kwargs))
+    ids = list(range(torch.cuda.device_count()))
+    stateful = copy.deepcopy(module)
+    ref_out = nn.DataParallel(stateful, device_ids=ids)(*inputs, **kwargs)
+    loss_fn(ref_out).backward()
+    out, grads, new = _fr_step(module, inputs, kwargs, [f"cuda:{i}" for i in ids], loss_fn)
+    assert_trees_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert_trees_close(
+        grads, {k: p.grad for k, p in stateful.named_parameters()}, rtol=1e-4, atol=1e-5
+    )
+    assert_trees_close(new.buffers, dict(stateful.named_buffers()), rtol=1e-5, atol=1e-5)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["conv", "nested"])
+def test_data_parallel_on_one_gpu_twice_equals_the_stateful_replicas(name: str) -> None:
+    # two replicas on one GPU, each on a stream of its own
+    module, inputs, kwargs = MODELS[name]
+    loss_fn = _nested_loss if name == "nested" else _loss
+    module = copy.deepcopy(module).cuda()
+    inputs, kwargs = _to_cuda((inputs, kwargs))
+    out, grads, new = _fr_step(module, inputs, kwargs, ["cuda:0", "cuda:0"], loss_fn)
+    ref_out, ref_grads, ref_buffers, _ = oracles.stateful_data_parallel(
+        module, inputs, kwargs, 2, loss_fn
+    )
+    assert_trees_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    assert_trees_close(new.buffers, ref_buffers, rtol=1e-5, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- all_reduce
+
+
+def test_all_reduce_sums_and_averages_onto_each_tree() -> None:
+    torch.manual_seed(2)
+    trees = [
+        {"w": torch.randn(3, 2), "b": [torch.randn(2), "tag"], "i": torch.tensor([i, 2 * i])}
+        for i in range(3)
+    ]
+    snap = snapshot(trees)
+    total_w = trees[0]["w"] + trees[1]["w"] + trees[2]["w"]
+    summed = fr.all_reduce(trees, op="sum")
+    assert_unchanged(snap)
+    assert len(summed) == 3
+    for tree in summed:
+        torch.testing.assert_close(tree["w"], total_w)
+        torch.testing.assert_close(tree["i"], torch.tensor([3, 6]))
+        assert tree["b"][1] == "tag"
+        assert all(tree["w"] is not t["w"] for t in trees)
+    means = fr.all_reduce([{"w": t["w"], "b": t["b"]} for t in trees])
+    assert_unchanged(snap)
+    torch.testing.assert_close(means[2]["w"], total_w / 3)
+    torch.testing.assert_close(means[0]["b"][0], sum(t["b"][0] for t in trees) / 3)
+
+
+def test_all_reduce_of_one_tree_is_a_copy() -> None:
+    t = {"w": torch.randn(3)}
+    (out,) = fr.all_reduce([t])
+    torch.testing.assert_close(out["w"], t["w"])
+    assert out["w"].data_ptr() != t["w"].data_ptr()
+
+
+def test_all_reduce_keeps_tied_leaves_tied() -> None:
+    a, b = torch.randn(2), torch.randn(2)
+    out = fr.all_reduce([[a, a], [b, b]], op="sum")
+    assert out[0][0] is out[0][1]
+    torch.testing.assert_close(out[1][1], a + b)
+
+
+def test_all_reduce_is_differentiable() -> None:
+    a = torch.randn(3, requires_grad=True)
+    b = torch.randn(3, requires_grad=True)
+    out = fr.all_reduce([{"x": a}, {"x": b}])
+    (out[0]["x"] * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    torch.testing.assert_close(a.grad, torch.tensor([0.5, 1.0, 1.5]))
+    torch.testing.assert_close(b.grad, torch.tensor([0.5, 1.0, 1.5]))
+
+
+def test_all_reduce_rejects_bad_input() -> None:
+    t = torch.ones(2)
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.all_reduce: trees differ at \['a'\]: dict with keys \('x',\) in tree 0, dict with keys \('y',\) in tree 1",
+    ):
+        fr.all_reduce([{"a": {"x": t}}, {"a": {"y": t}}])
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.all_reduce: trees differ at \['w'\]: torch\.float32 of shape \(2,\) in tree 0, torch\.float32 of shape \(3,\) in tree 1",
+    ):
+        fr.all_reduce([{"w": t}, {"w": torch.ones(3)}])
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.all_reduce: trees differ at \[1\]: torch\.float32 of shape \(2,\) in tree 0, torch\.float64 of shape \(2,\) in tree 1",
+    ):
+        fr.all_reduce([[t, t], [t, t.double()]])
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.all_reduce: trees differ at \[0\]: a tensor in tree 0, a str \('x'\) in tree 1",
+    ):
+        fr.all_reduce([[t], ["x"]])
+    with pytest.raises(
+        TypeError,
+        match=r"fr\.all_reduce: op='mean' needs floating-point or complex leaves, but the leaf at \['n'\] is torch\.bool",
+    ):
+        fr.all_reduce([{"n": torch.tensor(True)}] * 2)
+    with pytest.raises(ValueError, match=r"fr\.all_reduce: op must be 'sum' or 'mean', got 'max'"):
+        fr.all_reduce([[t]], op="max")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fr\.all_reduce: trees is empty"):
+        fr.all_reduce([])
+
+
+# --------------------------------------------------------------------------- data_parallel_grad
+
+
+def _mlp_loss(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    h = torch.tanh(x @ params["w1"].T + params["b1"])
+    return F.cross_entropy(h @ params["w2"].T, y)
+
+
+def _mlp_params() -> dict[str, torch.Tensor]:
+    torch.manual_seed(3)
+    return {"w1": torch.randn(6, 4), "b1": torch.randn(6), "w2": torch.randn(3, 6)}
+
+
+@pytest.mark.parametrize("devices", [*DEVICE_LISTS, ["cpu"] * 4], ids=len)
+def test_data_parallel_grad_equals_the_full_batch_gradient(devices: list[str]) -> None:
+    params = _mlp_params()
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    snap = snapshot(params, x, y)
+    grads, loss = fr.data_parallel_grad(_mlp_loss, devices)(params, x, y)
+    assert_unchanged(snap)
+    ref_grads, ref_loss = torch.func.grad_and_value(_mlp_loss)(params, x, y)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss)
+
+
+def test_data_parallel_grad_equals_a_stateful_backward() -> None:
+    module, (x,), _ = MODELS["mlp"]
+    y = torch.randint(0, 3, (x.shape[0],))
+    stateful = copy.deepcopy(module)
+    F.cross_entropy(stateful(x), y).backward()
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(module, fr.State(params, {}), x)[0], y)
+
+    grads, _ = fr.data_parallel_grad(loss_fn, ["cpu", "cpu", "cpu"])(fr.state(module).params, x, y)
+    assert_trees_close(
+        grads, {k: p.grad for k, p in stateful.named_parameters()}, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_data_parallel_grad_sum_aux_and_uneven_shards() -> None:
+    params = _mlp_params()
+    x, y = torch.randn(5, 4), torch.randint(0, 3, (5,))
+
+    def with_aux(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> Any:
+        return _mlp_loss(p, x, y), {"n": torch.tensor(x.shape[0]), "name": "r"}
+
+    # 5 rows on 4 devices: torch.chunk gives 2 + 2 + 1, three replicas
+    grads, (loss, aux) = fr.data_parallel_grad(with_aux, ["cpu"] * 4, op="sum", has_aux=True)(
+        params, x, y
+    )
+    parts = [(x[:2], y[:2]), (x[2:4], y[2:4]), (x[4:], y[4:])]
+    per = [torch.func.grad_and_value(_mlp_loss)(params, *p) for p in parts]
+    expected = {k: sum(g[k] for g, _ in per) for k in params}
+    assert_trees_close(grads, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, torch.stack([v for _, v in per]).mean())
+    assert aux["name"] == "r"
+    torch.testing.assert_close(aux["n"], torch.tensor([2, 2, 1]))
+
+
+def test_data_parallel_grad_rejects_bad_input() -> None:
+    with pytest.raises(
+        ValueError, match=r"fr\.data_parallel_grad: op must be 'sum' or 'mean', got 'avg'"
+    ):
+        fr.data_parallel_grad(_mlp_loss, ["cpu"], op="avg")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"fr\.data_parallel_grad: devices is empty"):
+        fr.data_parallel_grad(_mlp_loss, [])
+    step = fr.data_parallel_grad(_mlp_loss, ["cpu", "cpu"])
+    with pytest.raises(
+        ValueError, match=r"fr\.data_parallel_grad: the tensor at batch\[1\] is 0-dim"
+    ):
+        step(_mlp_params(), torch.randn(4, 4), torch.tensor(1))
