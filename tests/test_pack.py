@@ -1,0 +1,223 @@
+"""The coalescing engine: layouts, buckets, pack/unpack round trips, moves, broadcast, reduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freplicate import _pack
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.int64, torch.bool, torch.complex64]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_complex:
+        return torch.randn(shape, generator=g, dtype=dtype)
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-100, 100, shape, generator=g, dtype=dtype)
+
+
+SHAPES = [(), (0,), (3, 4), (2, 0, 5), (1,), (2, 3, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_unpack_round_trip(dtype: torch.dtype) -> None:
+    ts = [sample(dtype, s, i) for i, s in enumerate(SHAPES)]
+    before = [t.clone() for t in ts]
+    layout = _pack.layout_of(ts)
+    assert layout == (tuple(torch.Size(s) for s in SHAPES), (1, 0, 12, 0, 1, 12), dtype, CPU)
+    assert layout.numel == 26 and layout.nbytes == 26 * dtype.itemsize
+    flat = _pack.pack(ts)
+    assert flat.shape == (26,) and flat.dtype == dtype
+    back = _pack.unpack(flat, layout)
+    for b, t, orig in zip(back, ts, before):
+        assert b.shape == t.shape and b.dtype == dtype
+        assert torch.equal(b, t)
+        assert torch.equal(t, orig) and t._version == 0  # inputs untouched
+    # the views share the flat buffer: one storage, no per-leaf copies
+    assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in back)
+
+
+def test_pack_into_a_buffer_the_caller_owns() -> None:
+    ts = [torch.ones(2, 2), torch.arange(3.0)]
+    out = torch.empty(7)
+    ptr = out.data_ptr()
+    got = _pack.pack(ts, out=out)
+    assert got.data_ptr() == ptr
+    assert got.tolist() == [1, 1, 1, 1, 0, 1, 2]
+
+
+def test_pack_of_one_tensor_is_a_view_not_a_copy() -> None:
+    t = torch.arange(6.0).view(2, 3)
+    flat = _pack.pack([t])
+    assert flat.data_ptr() == t.data_ptr() and flat.shape == (6,)
+    (back,) = _pack.unpack(flat, _pack.layout_of([t]))
+    assert back.shape == (2, 3) and torch.equal(back, t)
+
+
+def test_pack_non_contiguous() -> None:
+    t = torch.arange(6.0).view(2, 3).t()
+    flat = _pack.pack([t, torch.ones(1)])
+    assert flat.tolist() == [0, 3, 1, 4, 2, 5, 1]
+    (back, _) = _pack.unpack(flat, _pack.layout_of([t, torch.ones(1)]))
+    assert torch.equal(back, t)
+
+
+def test_group_by_first_seen_order() -> None:
+    ts = [
+        torch.ones(1, dtype=torch.int64),
+        torch.ones(1),
+        torch.ones(1, device="meta"),
+        torch.ones(2),
+        torch.ones(1, dtype=torch.int64),
+    ]
+    assert _pack.group_by(ts, _pack.device_dtype) == {
+        (CPU, torch.int64): [0, 4],
+        (CPU, torch.float32): [1, 3],
+        (META, torch.float32): [2],
+    }
+    assert _pack.group_by([], _pack.device_dtype) == {}
+
+
+@pytest.mark.parametrize(
+    "numels, cap, expected",
+    [
+        ([], 8, []),
+        ([2], 8, [range(0, 1)]),
+        ([1, 1], 2, [range(0, 2)]),  # exactly at the cap stays together
+        ([1, 1, 1], 2, [range(0, 2), range(2, 3)]),
+        ([100], 8, [range(0, 1)]),  # larger than the cap: a bucket of its own
+        ([1, 100, 1], 8, [range(0, 1), range(1, 2), range(2, 3)]),
+        ([0, 0, 2, 0], 8, [range(0, 4)]),
+        ([3, 3, 3, 10, 1], 6, [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]),
+    ],
+)
+def test_buckets(numels: list[int], cap: int, expected: list[range]) -> None:
+    got = _pack.buckets(numels, itemsize=4, cap_bytes=cap * 4)
+    assert got == expected
+    # every tensor in exactly one bucket, in order
+    assert [i for r in got for i in r] == list(range(len(numels)))
+
+
+def test_check_packable_names_the_path() -> None:
+    dense, sparse = torch.ones(2), torch.eye(2).to_sparse()
+    _pack.check_packable([dense], [0], ["['a']"], fn="fr.x")
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.x: the tensor at \['s'\] has layout torch\.sparse_coo, which cannot be packed"
+        r" into a flat buffer; convert it \(e\.g\. \.to_dense\(\)\)",
+    ):
+        _pack.check_packable([dense, sparse], [0, 2], ["['a']", "['b']", "['s']"], fn="fr.x")
+
+
+def test_move_failure_names_the_leaves() -> None:
+    flat = torch.ones(4, device="meta")
+    paths = ["['a']", "['b']", "['c']", "['d']", "['e']"]
+    with pytest.raises(
+        TypeError,
+        match=r"^f: cannot move the tensor\(s\) at \['b'\], \['c'\], \['d'\], \.\.\. from meta to cpu: ",
+    ):
+        _pack.move(flat, CPU, [1, 2, 3, 4], paths, fn="f")
+    with pytest.raises(
+        TypeError, match=r"^f: cannot move the tensor\(s\) at \['e'\] from meta to cpu"
+    ):
+        _pack.move(flat, CPU, [4], paths, fn="f")
+
+
+def test_broadcast_coalesced_shares_same_device_and_copies_others(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    moves: list[tuple[torch.dtype, int]] = []
+    real_move = _pack.move
+
+    def counting_move(flat: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        moves.append((flat.dtype, flat.numel()))
+        return real_move(flat, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_pack, "move", counting_move)
+    ts = [torch.ones(2, 3), torch.arange(4), torch.zeros(()), torch.ones(0)]
+    out = _pack.broadcast_coalesced(ts, [CPU, META, META, CPU], paths=[], fn="f")
+    # one flat buffer per (source device, dtype), moved once per distinct target device
+    assert sorted(moves, key=str) == [(torch.float32, 7), (torch.int64, 4)]
+    assert all(a is b for a, b in zip(out[0], ts)) and all(a is b for a, b in zip(out[3], ts))
+    assert out[1] is out[2]  # a repeated target device reuses the same views
+    for moved, t in zip(out[1], ts):
+        assert moved.device == META and moved.shape == t.shape and moved.dtype == t.dtype
+
+
+def test_broadcast_detach() -> None:
+    w = torch.ones(3, requires_grad=True)
+    (same,), (moved,) = _pack.broadcast_coalesced(
+        [w], [CPU, META], paths=["w"], fn="f", detach=True
+    )
+    assert not same.requires_grad and same.data_ptr() == w.data_ptr()
+    assert not moved.requires_grad and moved.grad_fn is None
+    (same,), (moved,) = _pack.broadcast_coalesced([w], [CPU, META], paths=["w"], fn="f")
+    assert same is w and moved.grad_fn is not None
+
+
+def round_trip(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The engine's copy path (pack, move, unpack), here onto the CPU it came from."""
+    return _pack.unpack(_pack.move(_pack.pack(ts), CPU, [], [], fn="f"), _pack.layout_of(ts))
+
+
+def test_engine_is_differentiable_under_autograd_and_torch_func() -> None:
+    a, b = torch.randn(2, 3), torch.randn(4)
+    ca, cb = torch.randn(2, 3), torch.randn(4)
+
+    def loss(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        u, v = round_trip([x, y])
+        return (u * ca).sum() + (v * cb).sum() + (u**2).sum()
+
+    ga, gb = torch.func.grad(loss, argnums=(0, 1))(a, b)
+    assert torch.allclose(ga, ca + 2 * a) and torch.equal(gb, cb)
+    ar, br = a.clone().requires_grad_(), b.clone().requires_grad_()
+    assert all(
+        torch.allclose(x, y) for x, y in zip(torch.autograd.grad(loss(ar, br), (ar, br)), (ga, gb))
+    )
+    _, vjp = torch.func.vjp(lambda x, y: tuple(round_trip([x, y])), a, b)
+    va, vb = vjp((ca, cb))
+    assert torch.equal(va, ca) and torch.equal(vb, cb)
+
+
+def test_reduce_add_coalesced() -> None:
+    lists = [
+        [torch.full((2, 2), float(k)), torch.tensor(k), torch.arange(3) * k] for k in (1, 2, 3)
+    ]
+    before = [[t.clone() for t in lst] for lst in lists]
+    out = _pack.reduce_add_coalesced(lists, CPU, paths=["a", "b", "c"], fn="f")
+    assert torch.equal(out[0], torch.full((2, 2), 6.0))
+    assert torch.equal(out[1], torch.tensor(6)) and out[1].dtype == torch.int64
+    assert torch.equal(out[2], torch.arange(3) * 6)
+    for lst, orig in zip(lists, before):
+        assert all(torch.equal(t, o) and t._version == 0 for t, o in zip(lst, orig))
+
+
+def test_reduce_add_of_one_list_never_returns_the_callers_tensor() -> None:
+    t = torch.ones(3)
+    (alone,) = _pack.reduce_add_coalesced([[t]], CPU, paths=["t"], fn="f")
+    assert alone is not t and alone.data_ptr() != t.data_ptr() and torch.equal(alone, t)
+    u = torch.zeros(2)
+    pair = _pack.reduce_add_coalesced([[t, u]], CPU, paths=["t", "u"], fn="f")
+    assert all(r.data_ptr() != x.data_ptr() for r, x in zip(pair, (t, u)))
+
+
+def test_reduce_add_is_differentiable() -> None:
+    xs = [torch.randn(3, requires_grad=True) for _ in range(3)]
+    (total,) = _pack.reduce_add_coalesced([[x] for x in xs], CPU, paths=["x"], fn="f")
+    c = torch.randn(3)
+    grads = torch.autograd.grad((total * c).sum(), xs)
+    assert all(torch.equal(g, c) for g in grads)
+
+
+def test_reduce_add_onto_meta_and_sparse_error() -> None:
+    out = _pack.reduce_add_coalesced([[torch.ones(2)], [torch.ones(2)]], META, paths=["x"], fn="f")
+    assert out[0].device == META and out[0].shape == (2,)
+    sparse = torch.eye(2).to_sparse()
+    with pytest.raises(TypeError, match=r"^fr\.all_reduce: the tensor at \['s'\] has layout"):
+        _pack.reduce_add_coalesced([[sparse], [sparse]], CPU, paths=["['s']"], fn="fr.all_reduce")
