@@ -1,1 +1,19 @@
-"""Multi-process data parallelism on torch.distributed (being written: issue 4)."""
+"""Data parallelism across processes: the functional DistributedDataParallel.
+
+``fr.distributed`` works on an initialised ``torch.distributed`` process group
+(``torchrun`` or ``init_process_group``; gloo on CPU, NCCL on CUDA). Every
+function is collective: all ranks call it, in the same order. The code lives
+in ``freplicate/_distributed.py``; this module only publishes it.
+"""
+
+from ._distributed import all_reduce as all_reduce
+from ._distributed import broadcast as broadcast
+from ._distributed import grad_and_value as grad_and_value
+from ._distributed import sync_buffers as sync_buffers
+
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "grad_and_value",
+    "sync_buffers",
+]

@@ -1,0 +1,604 @@
+"""Data parallelism across processes: broadcast, bucketed all-reduce, a DDP-style gradient.
+
+The functional counterpart of DistributedDataParallel and of the composable
+``replicate``: instead of hooks on a module and a reducer hidden in it, three
+collective functions on trees, built on ``torch.distributed`` itself (gloo on
+CPU, NCCL on CUDA). A tree's layout (structure, shapes, dtypes, aliasing and
+the call's options) is turned once into a *plan*: tensors grouped per
+(device, dtype) with the core engine (``_pack``), in DDP's order (reverse of
+the leaves, the order gradients become ready), cut into buckets of at most
+``bucket_cap_mb``, each with a flat communication buffer that the plan keeps
+and reuses across calls. That buffer is never handed out: results are fresh
+tensors written by one ``torch._foreach_*`` op per bucket, so two calls'
+results never alias and no call pays a large allocation for communication.
+A plan is checked across ranks once, by one small collective (a fingerprint
+all-reduced with MAX), so trees that differ raise ``ValueError`` on every rank
+instead of hanging or reducing garbage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+from torch._C._functorch import maybe_current_level
+
+from ._grad import grad_and_value as _local_grad_and_value
+from ._pack import Layout, buckets, check_packable, group_by, layout_of, unpack
+from ._tree import LazyPaths, first_difference, paths_of
+
+__all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
+
+_OPS = ("sum", "mean")
+_COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PLAN_CACHE_SIZE = 16
+
+
+def _world(group: Any) -> int:
+    """Size of ``group``; 1 when torch.distributed is unavailable or not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+class _Bucket:
+    """One flat communication buffer: which tensors it holds, and the buffer itself."""
+
+    __slots__ = ("buf", "comm_dtype", "layout", "members", "views")
+
+    def __init__(self, members: list[int], layout: Layout, comm_dtype: torch.dtype) -> None:
+        self.members = members
+        self.layout = layout
+        self.comm_dtype = comm_dtype
+        self.buf: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []
+
+    def buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The plan's own flat buffer and its per-tensor views, allocated on first use."""
+        if self.buf is None:
+            lay = self.layout
+            self.buf = torch.empty(lay.numel, dtype=self.comm_dtype, device=lay.device)
+            self.views = unpack(self.buf, lay._replace(dtype=self.comm_dtype))
+        return self.buf, self.views
+
+
+class _Plan:
+    """What one tree layout needs: deduplication, buckets, and the cross-rank fingerprint."""
+
+    def __init__(
+        self,
+        spec: optree.PyTreeSpec,
+        leaves: Sequence[Any],
+        unique: list[int],
+        slot: list[int] | None,
+        fn: str,
+        op: str,
+        cap_bytes: int,
+        compress: torch.dtype | None,
+        options: tuple[Any, ...],
+    ) -> None:
+        self.spec = spec
+        self.unique = unique
+        self.slot = slot
+        self.lock = threading.Lock()
+        self.checked: list[Any] = []  # groups (objects) this layout was verified on
+        tensors = [leaves[i] for i in unique]
+        paths = LazyPaths(spec, unique)
+        check_packable(tensors, range(len(tensors)), paths, fn=fn)
+        if op == "mean":
+            for k, t in enumerate(tensors):
+                if not (t.is_floating_point() or t.is_complex()):
+                    raise TypeError(
+                        f"{fn}: op='mean' needs floating-point or complex leaves, but the leaf at "
+                        f"{paths[k]} has dtype {t.dtype}; use op='sum' or convert it"
+                    )
+        # DDP's order: the last parameters' gradients are ready first.
+        order = list(range(len(tensors)))[::-1]
+        self.buckets: list[_Bucket] = []
+        groups = group_by([tensors[k] for k in order], lambda t: (t.device, t.dtype))
+        for (_, dtype), positions in groups.items():
+            members = [order[p] for p in positions]
+            comm = dtype
+            if compress is not None and dtype.is_floating_point and dtype.itemsize > 2:
+                comm = compress
+            elif dtype == torch.bool:
+                comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
+            numels = [tensors[k].numel() for k in members]
+            for run in buckets(numels, comm.itemsize, cap_bytes):
+                ids = [members[r] for r in run]
+                self.buckets.append(_Bucket(ids, layout_of([tensors[k] for k in ids]), comm))
+        self.owner = [0] * len(tensors)  # bucket index of each unique tensor
+        for b, bucket in enumerate(self.buckets):
+            for k in bucket.members:
+                self.owner[k] = b
+        sig = [(tuple(t.shape), str(t.dtype), t.device.type) for t in tensors]
+        self.description = (str(spec), sig, slot, options)
+        digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
+        self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
+
+    def check(self, tree: Any, group: Any, fn: str) -> None:
+        """Verify once per group that every rank has this layout; ``ValueError`` if not."""
+        for g in self.checked:
+            if g is group:
+                return
+        device = _comm_device(group)
+        probe = torch.tensor([self.fingerprint, -self.fingerprint], device=device)
+        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
+        if int(probe[0]) == self.fingerprint and int(probe[1]) == -self.fingerprint:
+            self.checked.append(group)
+            return
+        # Every rank saw the difference, so every rank takes this slower path together.
+        try:
+            skeleton: bytes | None = pickle.dumps(optree.tree_map(_leaf_desc, tree))
+        except Exception:  # a node type that does not pickle: compare the spec text only
+            skeleton = None
+        mine = (skeleton, self.description)
+        everyone: list[Any] = [None] * _world(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        raise ValueError(f"{fn}: {_mismatch(everyone, self.spec)}")
+
+
+def _comm_device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _leaf_desc(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return "a non-tensor leaf"
+
+
+def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
+    """Text naming the first difference between rank 0's layout and another rank's."""
+    _, (spec0, sig0, slot0, opts0) = everyone[0]
+    for r in range(1, len(everyone)):
+        skeleton, (spec_r, sig_r, slot_r, opts_r) = everyone[r]
+        if opts_r != opts0:
+            return (
+                f"the call's options differ across ranks: {opts0} on rank 0, {opts_r} on rank {r}; "
+                "every rank must pass the same op, bucket_cap_mb, compress and src"
+            )
+        if spec_r != spec0:
+            where = None
+            if everyone[0][0] is not None and skeleton is not None:
+                trees = [pickle.loads(everyone[0][0]), pickle.loads(skeleton)]
+                where = first_difference(
+                    [optree.tree_structure(t) for t in trees], trees, what="rank"
+                )
+                if where is not None:
+                    where = where.replace(" in rank 1", f" in rank {r}")
+            return (
+                "the tree's structure differs across ranks: "
+                + (where or f"{spec0} on rank 0, {spec_r} on rank {r}")
+                + "; every rank must pass a tree of the same structure"
+            )
+        if sig_r != sig0:
+            paths = paths_of(spec)
+            for k, (a, b) in enumerate(zip(sig0, sig_r)):
+                if a != b:
+                    return (
+                        f"the tensor at {paths[k]} differs across ranks: shape {a[0]}, dtype "
+                        f"{a[1]} on rank 0; shape {b[0]}, dtype {b[1]} on rank {r}; every rank "
+                        "must pass tensors of the same shapes and dtypes"
+                    )
+        if slot_r != slot0:
+            return (
+                "tied (aliased) leaves differ across ranks: the same tensor object sits at "
+                "different positions of the tree on rank 0 and on rank {r}"
+            )
+    return "the tree layout differs across ranks"  # pragma: no cover
+
+
+_PLANS: OrderedDict[Any, _Plan] = OrderedDict()
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_for(
+    tree: Any, fn: str, op: str, cap_mb: float, compress: str | None, src: int | None
+) -> tuple[_Plan, list[Any]]:
+    """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
+    leaves, spec = optree.tree_flatten(tree)
+    ids = [id(x) for x in leaves]
+    slot: list[int] | None = None
+    unique: list[int]
+    if len(set(ids)) == len(ids):
+        unique = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        sig = tuple([(x.shape, x.dtype, x.device) for x in [leaves[i] for i in unique]])
+        key: tuple[Any, ...] = (spec, sig, tuple(unique))
+    else:  # some leaf object repeats (tied weights): reduce it once, re-alias after
+        unique, slot = [], []
+        seen: dict[int, int] = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                pos = seen.setdefault(id(x), len(unique))
+                if pos == len(unique):
+                    unique.append(i)
+                slot.append(pos)
+            else:
+                slot.append(-1)
+        sig = tuple([(x.shape, x.dtype, x.device) for x in [leaves[i] for i in unique]])
+        key = (spec, sig, tuple(slot))
+    options = (fn, op, cap_mb, compress, src)
+    key = (*key, options)
+    with _PLANS_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            _PLANS.move_to_end(key)
+            return plan, leaves
+    if cap_mb <= 0:
+        raise ValueError(f"{fn}: bucket_cap_mb must be positive, got {cap_mb}")
+    plan = _Plan(
+        spec,
+        leaves,
+        unique,
+        slot,
+        fn,
+        op,
+        max(1, int(cap_mb * 1024 * 1024)),
+        _COMPRESS[compress],
+        (op, cap_mb, compress, src),
+    )
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return plan, leaves
+
+
+def _rebuild(plan: _Plan, leaves: list[Any], results: list[torch.Tensor]) -> Any:
+    """The tree of ``results`` (one per unique tensor), non-tensor leaves passed through."""
+    out = list(leaves)
+    if plan.slot is None:
+        for i, r in zip(plan.unique, results):
+            out[i] = r
+    else:
+        for i, s in enumerate(plan.slot):
+            if s >= 0:
+                out[i] = results[s]
+    return optree.tree_unflatten(plan.spec, out)
+
+
+def _check_args(fn: str, op: str, compress: str | None) -> None:
+    if op not in _OPS:
+        raise ValueError(f"{fn}: op must be 'sum' or 'mean', got {op!r}")
+    if compress not in _COMPRESS:
+        raise ValueError(f"{fn}: compress must be None, 'bf16' or 'fp16', got {compress!r}")
+
+
+class _Reduction:
+    """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
+
+    __slots__ = ("group", "launched", "op", "plan", "works", "world")
+
+    def __init__(self, plan: _Plan, op: str, group: Any, world: int) -> None:
+        self.plan = plan
+        self.op = op
+        self.group = group
+        self.world = world
+        self.launched = 0
+        self.works: list[Any] = []
+
+    def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Pack bucket ``b`` from ``tensors`` (its members, in order) and start its all-reduce."""
+        bucket = self.plan.buckets[b]
+        buf, views = bucket.buffer()
+        torch._foreach_copy_(views, list(tensors))
+        if bucket.comm_dtype == torch.uint8:
+            red = dist.ReduceOp.MAX
+        else:
+            red = dist.ReduceOp.SUM
+            if self.op == "mean" and bucket.comm_dtype != bucket.layout.dtype:
+                buf.div_(self.world)  # before the sum, as DDP's compression hooks: no overflow
+        self.works.append(dist.all_reduce(buf, op=red, group=self.group, async_op=True))
+        self.launched += 1
+
+    def finish(self) -> list[torch.Tensor]:
+        """Wait for every bucket; fresh result tensors, one per unique tensor of the plan."""
+        for w in self.works:
+            w.wait()
+        return _results(self.plan, self.op, self.world)
+
+
+def _results(plan: _Plan, op: str, world: int) -> list[torch.Tensor]:
+    """Fresh tensors from the plan's buffers (never views of them: they are reused next call)."""
+    results: list[torch.Tensor] = [None] * len(plan.unique)  # type: ignore[list-item]
+    for bucket in plan.buckets:
+        outs: Sequence[torch.Tensor]
+        if bucket.comm_dtype != bucket.layout.dtype:
+            outs = unpack(bucket.buf.to(bucket.layout.dtype), bucket.layout)  # type: ignore[union-attr]
+        elif op == "mean":
+            outs = torch._foreach_div(bucket.views, world)
+        else:
+            outs = torch._foreach_mul(bucket.views, 1)
+        for k, o in zip(bucket.members, outs):
+            results[k] = o
+    return results
+
+
+def all_reduce(
+    tree: Any,
+    *,
+    op: str = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    compress: str | None = None,
+    check: bool = True,
+) -> Any:
+    """A new tree whose tensor leaves are the sum or mean of ``tree``'s over the ranks of ``group``.
+
+    Collective: every rank calls it, in the same order, with a tree of the
+    same layout. Leaves are packed per (device, dtype) into buckets of at
+    most ``bucket_cap_mb`` (in the reverse order of the leaves, as DDP
+    buckets gradients); every bucket is in flight at once, all are waited on
+    at the end. ``compress="bf16"`` or ``"fp16"`` sends floating-point
+    buckets in that dtype (divided by the world size first for ``"mean"``,
+    as DDP's compression hooks) and returns leaves in their own dtype.
+    ``op="mean"`` needs floating-point or complex leaves (``TypeError``
+    naming the path otherwise); boolean leaves reduce with ``op="sum"`` to
+    their logical or. Non-tensor leaves pass through by reference; a tensor
+    at several positions is reduced once and stays one object.
+
+    The first call with a new layout checks it across ranks with one small
+    collective (``check=False`` skips this): trees that differ in structure,
+    shape or dtype, or calls with different options, raise ``ValueError``
+    naming the difference on every rank. ``tree`` is never modified, and
+    never used as the reduction buffer. Without an initialised process
+    group, or with one rank, ``tree`` itself is returned.
+
+    >>> g = {"w": torch.ones(2, 2), "step": 3}
+    >>> fr.distributed.all_reduce(g) is g  # no process group here: unchanged
+    True
+    """
+    fn = "fr.distributed.all_reduce"
+    _check_args(fn, op, compress)
+    world = _world(group)
+    if world == 1:
+        return tree
+    plan, leaves = _plan_for(tree, fn, op, bucket_cap_mb, compress, None)
+    if not plan.unique:
+        return tree
+    with plan.lock:
+        if check:
+            plan.check(tree, group, fn)
+        red = _Reduction(plan, op, group, world)
+        for b, bucket in enumerate(plan.buckets):
+            red.launch(b, [leaves[plan.unique[k]] for k in bucket.members])
+        results = red.finish()
+    return _rebuild(plan, leaves, results)
+
+
+def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True) -> Any:
+    """A new tree whose tensor leaves equal rank ``src``'s; the input is unchanged.
+
+    The initial sync DDP does at construction (and, for buffers, at every
+    forward). Collective, coalesced as ``all_reduce``, with the same
+    cross-rank check. ``src`` is a global rank. On rank ``src`` the result
+    holds the given tensors themselves (their values are the answer); on the
+    others fresh tensors. Without an initialised process group, or with one
+    rank, ``tree`` itself is returned.
+
+    >>> s = fr.state(nn.Linear(2, 2))
+    >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
+    True
+    """
+    fn = "fr.distributed.broadcast"
+    world = _world(group)
+    if world == 1:
+        return tree
+    if not 0 <= src < dist.get_world_size():
+        raise ValueError(
+            f"{fn}: src={src} is not a rank of the default group (0..{dist.get_world_size() - 1})"
+        )
+    plan, leaves = _plan_for(tree, fn, "sum", 25.0, None, src)
+    if not plan.unique:
+        return tree
+    root = dist.get_rank() == src
+    with plan.lock:
+        if check:
+            plan.check(tree, group, fn)
+        works = []
+        for bucket in plan.buckets:
+            buf, views = bucket.buffer()
+            if root:
+                torch._foreach_copy_(views, [leaves[plan.unique[k]] for k in bucket.members])
+            works.append(dist.broadcast(buf, src=src, group=group, async_op=True))
+        for w in works:
+            w.wait()
+        if root:
+            return tree
+        results = _results(plan, "sum", 1)
+    return _rebuild(plan, leaves, results)
+
+
+def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Any = None) -> Any:
+    """Make buffers (BatchNorm statistics ...) agree across ranks; the explicit buffer policy.
+
+    ``mode="broadcast"``: every rank gets rank ``src``'s buffers, what
+    DistributedDataParallel does before every forward (``broadcast_buffers=True``);
+    call it before each step's forward to match DDP exactly.
+    ``mode="mean"``: floating-point buffers become their mean over the ranks
+    (running statistics of the whole global batch, roughly); the others
+    (``num_batches_tracked``) are broadcast from ``src``. The composable
+    ``replicate`` never syncs buffers: not calling this matches it.
+
+    >>> b = fr.state(nn.BatchNorm1d(3)).buffers
+    >>> fr.distributed.sync_buffers(b, mode="mean") is b  # no process group here
+    True
+    """
+    fn = "fr.distributed.sync_buffers"
+    if mode == "broadcast":
+        return broadcast(buffers, src=src, group=group)
+    if mode != "mean":
+        raise ValueError(f"{fn}: mode must be 'broadcast' or 'mean', got {mode!r}")
+    if _world(group) == 1:
+        return buffers
+    floating = optree.tree_map(
+        lambda x: x if isinstance(x, torch.Tensor) and x.is_floating_point() else None,
+        buffers,
+        none_is_leaf=True,
+    )
+    others = optree.tree_map(
+        lambda x: None if isinstance(x, torch.Tensor) and x.is_floating_point() else x,
+        buffers,
+        none_is_leaf=True,
+    )
+    means = all_reduce(floating, op="mean", group=group)
+    synced = broadcast(others, src=src, group=group)
+    return optree.tree_map(lambda m, s: s if m is None else m, means, synced, none_is_leaf=True)
+
+
+def grad_and_value(
+    fn: Callable[..., Any],
+    *,
+    op: str = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    has_aux: bool = False,
+    argnums: int = 0,
+    compress: str | None = None,
+    check: bool = True,
+) -> Callable[..., tuple[Any, Any]]:
+    """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
+
+    ``g(*args) -> (grads, value)``: ``grads`` equals
+    ``fr.distributed.all_reduce(fr.grad_and_value(fn)(*args)[0], op=op, ...)``,
+    ``value`` (with ``has_aux``, ``(value, aux)``) is this rank's. Buckets are
+    cut in the reverse order of the leaves of ``args[argnums]`` (the order
+    their gradients become ready), and each bucket's all-reduce starts from a
+    hook on this call's own fresh leaves as soon as its last gradient is
+    computed, while the backward pass goes on (DDP's overlap); the remaining
+    buckets start when it ends, always in the same order on every rank.
+    No module is touched and no hook outlives the call. Under a
+    ``torch.func`` transform, or when an input already carries an autograd
+    graph, it computes ``fr.grad_and_value`` then ``all_reduce``.
+
+    >>> w = {"a": torch.tensor(2.0)}
+    >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
+    >>> g(w, torch.tensor(3.0))  # no process group here: the local gradient
+    ({'a': tensor(3.)}, tensor(6.))
+    """
+    name = "fr.distributed.grad_and_value"
+    _check_args(name, op, compress)
+    if not isinstance(argnums, int):
+        raise TypeError(f"{name}: argnums must be an int, got {argnums!r}")
+    local = _local_grad_and_value(fn, argnums=argnums, has_aux=has_aux)
+
+    def reduce(grads: Any) -> Any:
+        return all_reduce(
+            grads, op=op, group=group, bucket_cap_mb=bucket_cap_mb, compress=compress, check=check
+        )
+
+    def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        world = _world(group)
+        if world == 1:
+            return local(*args, **kwargs)
+        everything: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        if (
+            maybe_current_level() is not None
+            or not -len(args) <= argnums < len(args)
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in everything)
+        ):
+            # a transform, or an outer graph that torch.func keeps: its gradient, then reduce
+            grads, value = local(*args, **kwargs)
+            return reduce(grads), value
+        tree = args[argnums]
+        plan, leaves = _plan_for(
+            tree, "fr.distributed.all_reduce", op, bucket_cap_mb, compress, None
+        )
+        if len(plan.unique) != len(leaves):
+            grads, value = local(*args, **kwargs)  # non-tensor leaves: let it raise as it does
+            return reduce(grads), value
+        with plan.lock:
+            if check:
+                plan.check(tree, group, name)
+            return _overlapped(fn, args, kwargs, argnums, has_aux, plan, leaves, op, group, world)
+
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    wrapper.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
+    return wrapper
+
+
+def _overlapped(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnums: int,
+    has_aux: bool,
+    plan: _Plan,
+    leaves: list[Any],
+    op: str,
+    group: Any,
+    world: int,
+) -> tuple[Any, Any]:
+    """The backward pass with each bucket's all-reduce launched from gradient hooks."""
+    name = "fr.distributed.grad_and_value"
+    fresh = [leaves[i].detach().requires_grad_(True) for i in plan.unique]
+    new_args = list(args)
+    new_args[argnums] = _rebuild(plan, leaves, fresh)
+    red = _Reduction(plan, op, group, world)
+    nb = len(plan.buckets)
+    ready: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in plan.buckets]
+    missing = [len(b.members) for b in plan.buckets]
+    handles = []
+
+    def launch_ready() -> None:
+        # Buckets start in plan order on every rank, whatever order their gradients come in.
+        while red.launched < nb and missing[red.launched] == 0:
+            red.launch(red.launched, ready[red.launched])  # type: ignore[arg-type]
+
+    def hook_for(b: int, j: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            ready[b][j] = grad
+            missing[b] -= 1
+            if missing[b] == 0:
+                launch_ready()
+
+        return hook
+
+    # The last bucket can only start once the backward pass is over: no hooks there.
+    for b, bucket in enumerate(plan.buckets[:-1]):
+        for j, k in enumerate(bucket.members):
+            handles.append(fresh[k].register_hook(hook_for(b, j)))
+    try:
+        with torch.enable_grad():
+            output = fn(*new_args, **kwargs)
+            if has_aux:
+                if not (isinstance(output, tuple) and len(output) == 2):
+                    raise RuntimeError(
+                        f"{name}(f, has_aux=True): f must return a (output, aux) tuple"
+                    )
+                value, aux = output
+            else:
+                value, aux = output, None
+            if not isinstance(value, torch.Tensor) or value.dim() != 0:
+                shape = (
+                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                )
+                raise RuntimeError(
+                    f"{name}: expected f(*args) to return a scalar tensor, got {shape}"
+                )
+            if value.requires_grad:
+                grads = torch.autograd.grad(value, fresh, allow_unused=True, materialize_grads=True)
+            else:
+                grads = tuple(torch.zeros_like(t) for t in fresh)
+    finally:
+        for h in handles:
+            h.remove()
+    # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
+    for b in range(red.launched, nb):
+        red.launch(b, [grads[k] for k in plan.buckets[b].members])
+    results = red.finish()
+    value = value.detach()
+    if has_aux:
+        aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        return _rebuild(plan, leaves, results), (value, aux)
+    return _rebuild(plan, leaves, results), value

@@ -1,0 +1,388 @@
+"""Rank-side code of the distributed tests: a spawner and the scenarios each rank runs.
+
+``spawn(scenarios, ...)`` starts 2 gloo ranks on 127.0.0.1 (a free port found
+by binding port 0), each with a bounded process-group timeout; the parent
+waits with its own deadline and kills any child still alive, so a test never
+hangs. Every scenario runs on every rank and returns a picklable value, or
+the exception it raised as ``("raised", type name, message)``; the parent
+gets ``{scenario: [value on rank 0, value on rank 1]}``. The oracles are
+PyTorch's own stateful designs: ``DistributedDataParallel`` and the
+composable ``replicate``, on the same init and the same per-rank data.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+import freplicate as fr
+
+WORLD = 2
+SCENARIOS: dict[str, Callable[[int], Any]] = {}
+
+
+def scenario(f: Callable[[int], Any]) -> Callable[[int], Any]:
+    SCENARIOS[f.__name__] = f
+    return f
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _main(
+    rank: int,
+    port: int,
+    names: list[str],
+    out: Any,
+    pg_timeout: float,
+    die: int | None,
+    stall: bool,
+) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=pg_timeout)
+    )
+    if rank == die:
+        if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
+            time.sleep(3 * pg_timeout)
+        os._exit(0)  # a rank that dies without a word, mid-job
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = SCENARIOS[name](rank)
+        except Exception as err:
+            results[name] = ("raised", type(err).__name__, str(err), traceback.format_exc())
+    buf = io.BytesIO()
+    torch.save(results, buf)
+    out.put((rank, buf.getvalue()))
+    if die is None:
+        dist.destroy_process_group()
+
+
+def spawn(
+    names: list[str],
+    *,
+    pg_timeout: float = 30.0,
+    deadline: float = 90.0,
+    die: int | None = None,
+    stall: bool = False,
+) -> dict[str, list[Any]]:
+    """Run ``names`` on 2 ranks; ``{name: [rank 0's result, rank 1's]}``, killing stragglers."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_main, args=(r, port, names, out, pg_timeout, die, stall), daemon=True)
+        for r in range(WORLD)
+    ]
+    for p in procs:
+        p.start()
+    got: dict[int, dict[str, Any]] = {}
+    end = time.monotonic() + deadline
+    expected = WORLD if die is None else WORLD - 1
+    try:
+        while len(got) < expected and time.monotonic() < end:
+            try:
+                rank, blob = out.get(timeout=0.5)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and out.empty():
+                    break
+                continue
+            got[rank] = torch.load(io.BytesIO(blob), weights_only=False)
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if len(got) < expected:
+        raise AssertionError(f"only ranks {sorted(got)} reported back within {deadline} s")
+    return {n: [got[r][n] if r in got else None for r in range(WORLD)] for n in names}
+
+
+# --- data ---------------------------------------------------------------------------
+
+
+def tree_of(rank: int) -> dict[str, Any]:
+    """A mixed tree, different on each rank: dtypes, a non-tensor leaf, a tied leaf."""
+    g = torch.Generator().manual_seed(100 + rank)
+    shared = torch.randn(3, generator=g)
+    return {
+        "w": torch.randn(4, 5, generator=g),
+        "b": torch.randn(5, generator=g, dtype=torch.float64),
+        "count": torch.tensor([rank + 1, 10 * rank], dtype=torch.int64),
+        "flag": torch.tensor([rank == 0, False]),
+        "step": 7,
+        "tied": [shared, shared],
+        "none": None,
+    }
+
+
+def snapshot(tree: Any) -> list[tuple[int, torch.Tensor]]:
+    return [
+        (t._version, t.clone()) for t in fr._tree.flatten(tree)[0] if isinstance(t, torch.Tensor)
+    ]
+
+
+def unchanged(tree: Any, snap: list[tuple[int, torch.Tensor]]) -> bool:
+    leaves = [t for t in fr._tree.flatten(tree)[0] if isinstance(t, torch.Tensor)]
+    return all(t._version == v and torch.equal(t, c) for t, (v, c) in zip(leaves, snap))
+
+
+def expected_reduce(op: str) -> dict[str, Any]:
+    a, b = tree_of(0), tree_of(1)
+    exp = {k: a[k] + b[k] for k in ("w", "b", "count")}
+    exp["flag"] = a["flag"] | b["flag"]
+    exp["tied"] = a["tied"][0] + b["tied"][0]
+    if op == "mean":
+        exp = {k: v / 2 for k, v in exp.items() if k not in ("count", "flag")}
+    return exp
+
+
+# --- collectives ----------------------------------------------------------------------
+
+
+@scenario
+def reduce_sum(rank: int) -> dict[str, Any]:
+    tree = tree_of(rank)
+    snap = snapshot(tree)
+    out = fr.distributed.all_reduce(tree, op="sum")
+    return {
+        "out": out,
+        "expected": expected_reduce("sum"),
+        "unchanged": unchanged(tree, snap),
+        "tied_is_one": out["tied"][0] is out["tied"][1],
+        "step": out["step"],
+        "fresh": all(
+            o.data_ptr() != i.data_ptr()
+            for o, i in zip(fr._tree.flatten(out)[0], fr._tree.flatten(tree)[0])
+            if isinstance(o, torch.Tensor)
+        ),
+    }
+
+
+def floats_of(rank: int) -> dict[str, Any]:
+    t = tree_of(rank)
+    return {"w": t["w"], "b": t["b"], "tied": t["tied"], "step": t["step"]}
+
+
+@scenario
+def reduce_mean_twice(rank: int) -> dict[str, Any]:
+    """Two calls with one layout: the plan's buffer is reused, the first results must survive."""
+    t1 = floats_of(rank)
+    t2 = fr._tree.map_tensors(lambda x: x * 3, t1)
+    snap = snapshot(t1)
+    r1 = fr.distributed.all_reduce(t1)
+    r1_copy = fr._tree.map_tensors(torch.clone, r1)
+    r2 = fr.distributed.all_reduce(t2)
+    r3 = fr.distributed.all_reduce(t1)
+    return {"r1": r1, "r1_copy": r1_copy, "r2": r2, "r3": r3, "unchanged": unchanged(t1, snap)}
+
+
+@scenario
+def reduce_small_buckets(rank: int) -> dict[str, Any]:
+    tree = floats_of(rank)
+    return {
+        "tiny": fr.distributed.all_reduce(tree, bucket_cap_mb=1e-5),
+        "default": fr.distributed.all_reduce(tree),
+    }
+
+
+@scenario
+def reduce_compressed(rank: int) -> dict[str, Any]:
+    tree = floats_of(rank)
+    snap = snapshot(tree)
+    return {
+        "bf16": fr.distributed.all_reduce(tree, compress="bf16"),
+        "fp16": fr.distributed.all_reduce(tree, compress="fp16", op="sum"),
+        "exact": fr.distributed.all_reduce(tree),
+        "exact_sum": fr.distributed.all_reduce(tree, op="sum"),
+        "unchanged": unchanged(tree, snap),
+    }
+
+
+@scenario
+def mean_of_ints(rank: int) -> Any:
+    fr.distributed.all_reduce(tree_of(rank), op="mean")
+
+
+@scenario
+def mismatch_shape(rank: int) -> Any:
+    fr.distributed.all_reduce({"a": torch.ones(3), "b": torch.ones(2 + rank)})
+
+
+@scenario
+def mismatch_structure(rank: int) -> Any:
+    tree = {"a": torch.ones(3), "c": torch.ones(2)} if rank else {"a": torch.ones(3)}
+    fr.distributed.all_reduce(tree)
+
+
+@scenario
+def mismatch_dtype(rank: int) -> Any:
+    fr.distributed.broadcast({"a": torch.ones(3, dtype=torch.float64 if rank else torch.float32)})
+
+
+@scenario
+def mismatch_options(rank: int) -> Any:
+    fr.distributed.all_reduce({"a": torch.ones(3)}, op="sum" if rank else "mean")
+
+
+@scenario
+def mismatch_grad(rank: int) -> Any:
+    params = {"w": torch.ones(2, 2 + rank)}
+    fr.distributed.grad_and_value(lambda p: p["w"].sum())(params)
+
+
+@scenario
+def after_mismatch(rank: int) -> Any:
+    """The group is still usable after the mismatches above: every rank took the same path."""
+    return fr.distributed.all_reduce({"x": torch.full((2,), float(rank))}, op="sum")
+
+
+@scenario
+def broadcasts(rank: int) -> dict[str, Any]:
+    tree = tree_of(rank)
+    snap = snapshot(tree)
+    return {
+        "from0": fr.distributed.broadcast(tree),
+        "from1": fr.distributed.broadcast(tree, src=1),
+        "tree0": tree_of(0),
+        "tree1": tree_of(1),
+        "unchanged": unchanged(tree, snap),
+    }
+
+
+# --- training against DDP and composable replicate --------------------------------------
+
+
+class Net(nn.Module):
+    def __init__(self, batchnorm: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        self.fc2 = nn.Linear(16, 16)
+        self.fc3 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.relu(self.bn(self.fc1(x))))))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def train(rank: int, *, batchnorm: bool, cap: float, steps: int = 10, lr: float = 0.1) -> Any:
+    from torch.distributed._composable import replicate
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = Net(batchnorm)
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    rep = copy.deepcopy(model)
+    replicate(rep)
+    rep_opt = torch.optim.SGD(rep.parameters(), lr=lr)
+
+    s = fr.state(model)
+    params, buffers = s.params, s.buffers
+    snap = snapshot(s)
+
+    def loss_fn(p: Any, b: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out, new = fr.apply(model, fr.State(p, b), x)
+        return F.cross_entropy(out, y), new.buffers
+
+    step = fr.distributed.grad_and_value(loss_fn, has_aux=True, bucket_cap_mb=cap)
+    losses = []
+    for i in range(steps):
+        x, y = batch(rank, i)
+        for m, opt in ((ddp, ddp_opt), (rep, rep_opt)):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+        buffers = fr.distributed.sync_buffers(buffers)  # DDP's policy: rank 0's, every forward
+        grads, (loss, buffers) = step(params, buffers, x, y)
+        params = {k: p - lr * grads[k] for k, p in params.items()}
+        losses.append(float(loss))
+    return {
+        "fr": params,
+        "fr_buffers": buffers,
+        "ddp": {k: p.detach() for k, p in ddp.module.named_parameters()},
+        "ddp_buffers": dict(ddp.module.named_buffers()),
+        "rep": {k: p.detach() for k, p in rep.named_parameters()},
+        "losses": losses,
+        "model_unchanged": unchanged(s, snap),
+    }
+
+
+@scenario
+def train_mlp(rank: int) -> Any:
+    return train(rank, batchnorm=False, cap=25.0)
+
+
+@scenario
+def train_batchnorm(rank: int) -> Any:
+    return train(rank, batchnorm=True, cap=25.0)
+
+
+@scenario
+def train_tiny_buckets(rank: int) -> Any:
+    """A bucket per tensor: every bucket but the last launched from a gradient hook."""
+    return train(rank, batchnorm=True, cap=1e-6)
+
+
+@scenario
+def grad_matches_all_reduce(rank: int) -> Any:
+    torch.manual_seed(0)
+    model = Net(False)
+    params = fr.state(model).params
+    params = {**params, "unused": torch.ones(3)}  # no gradient reaches it: zeros, as DDP's
+    x, y = batch(rank, 0)
+
+    def loss_fn(p: Any) -> torch.Tensor:
+        out, _ = fr.apply(model, fr.State({k: v for k, v in p.items() if k != "unused"}, {}), x)
+        return F.cross_entropy(out, y)
+
+    snap = snapshot(params)
+    out = {}
+    for cap in (25.0, 1e-6):
+        grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap)(params)
+        local, local_value = fr.grad_and_value(loss_fn)(params)
+        out[cap] = (grads, fr.distributed.all_reduce(local), value, local_value)
+    out["unchanged"] = unchanged(params, snap)
+    sums, _ = fr.distributed.grad_and_value(loss_fn, op="sum")(params)
+    out["sum"] = (sums, fr.distributed.all_reduce(fr.grad_and_value(loss_fn)(params)[0], op="sum"))
+    return out
+
+
+# --- a rank that dies -----------------------------------------------------------------
+
+
+@scenario
+def survivor(rank: int) -> Any:
+    start = time.monotonic()
+    try:
+        fr.distributed.all_reduce({"a": torch.ones(1000)})
+    except Exception as err:
+        return ("raised", type(err).__name__, str(err)[:300], time.monotonic() - start)
+    return ("returned", time.monotonic() - start)

@@ -1,0 +1,199 @@
+"""fr.distributed on 2 gloo ranks (127.0.0.1), against DistributedDataParallel and replicate.
+
+Spawning ranks costs seconds (each imports torch), so one module-scoped job
+runs every collective scenario once and the tests below read its results;
+the rank that dies needs a job of its own. The rank-side code is in
+``_dist_workers.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import freplicate as fr
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the workers by name
+import _dist_workers as w
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+close = fr.testing.assert_trees_close
+
+
+@pytest.fixture(scope="module")
+def job() -> dict[str, list[Any]]:
+    names = [n for n in w.SCENARIOS if n != "survivor"]
+    return w.spawn(names, pg_timeout=30.0, deadline=150.0)
+
+
+def ok(job: dict[str, list[Any]], name: str) -> list[Any]:
+    """Both ranks' results of ``name``; a scenario that raised fails the test with its traceback."""
+    for rank, res in enumerate(job[name]):
+        if isinstance(res, tuple) and res and res[0] == "raised":
+            pytest.fail(f"{name} raised on rank {rank}:\n{res[3]}")
+    return job[name]
+
+
+def raised(job: dict[str, list[Any]], name: str, kind: str, pattern: str) -> None:
+    for rank, res in enumerate(job[name]):
+        assert isinstance(res, tuple) and res[0] == "raised", f"rank {rank} returned {res!r}"
+        assert res[1] == kind, res[3]
+        assert re.search(pattern, res[2]), res[2]
+
+
+# --- all_reduce -------------------------------------------------------------------------
+
+
+def test_all_reduce_sum_mixed_tree(job):
+    for r in ok(job, "reduce_sum"):
+        out, exp = r["out"], r["expected"]
+        for k in ("w", "b", "count", "flag"):
+            assert out[k].dtype == exp[k].dtype
+            torch.testing.assert_close(out[k], exp[k], rtol=0, atol=1e-12)
+        torch.testing.assert_close(out["tied"][0], exp["tied"])
+        assert r["tied_is_one"], "a tied leaf must stay one tensor object"
+        assert r["step"] == 7 and out["none"] is None
+        assert r["unchanged"] and r["fresh"]
+
+
+def test_all_reduce_mean_results_survive_the_next_call(job):
+    exp = w.expected_reduce("mean")
+    for r in ok(job, "reduce_mean_twice"):
+        close(r["r1"], r["r1_copy"], rtol=0, atol=0)
+        close(r["r3"], r["r1_copy"], rtol=0, atol=0)
+        torch.testing.assert_close(r["r1"]["w"], exp["w"])
+        torch.testing.assert_close(r["r2"]["w"], exp["w"] * 3)
+        torch.testing.assert_close(r["r1"]["tied"][1], exp["tied"])
+        assert r["unchanged"]
+
+
+def test_all_reduce_tiny_buckets_equal(job):
+    for r in ok(job, "reduce_small_buckets"):
+        close(r["tiny"], r["default"], rtol=0, atol=0)
+
+
+def test_all_reduce_compressed_within_tolerance(job):
+    for r in ok(job, "reduce_compressed"):
+        assert r["bf16"]["w"].dtype == torch.float32 and r["bf16"]["b"].dtype == torch.float64
+        close(r["bf16"], r["exact"], rtol=1.6e-2, atol=1e-2)
+        close(r["fp16"], r["exact_sum"], rtol=2e-3, atol=2e-3)
+        assert r["unchanged"]
+
+
+def test_mean_of_integer_leaf_names_path(job):
+    raised(job, "mean_of_ints", "TypeError", r"fr\.distributed\.all_reduce: op='mean'.*\['count'\]")
+
+
+def test_mismatched_shapes_raise_on_every_rank(job):
+    raised(
+        job,
+        "mismatch_shape",
+        "ValueError",
+        r"fr\.distributed\.all_reduce: the tensor at \['b'\] differs across ranks: "
+        r"shape \(2,\).*rank 0; shape \(3,\).*rank 1",
+    )
+
+
+def test_mismatched_structure_raises_on_every_rank(job):
+    raised(job, "mismatch_structure", "ValueError", r"structure differs across ranks.*rank 1")
+
+
+def test_mismatched_dtype_raises_in_broadcast(job):
+    raised(
+        job, "mismatch_dtype", "ValueError", r"fr\.distributed\.broadcast: .*\['a'\].*torch.float64"
+    )
+
+
+def test_mismatched_options_raise(job):
+    raised(job, "mismatch_options", "ValueError", r"options differ across ranks.*'mean'.*'sum'")
+
+
+def test_mismatched_params_raise_in_grad(job):
+    raised(
+        job, "mismatch_grad", "ValueError", r"fr\.distributed\.grad_and_value: .*\['w'\] differs"
+    )
+
+
+def test_group_usable_after_mismatches(job):
+    for r in ok(job, "after_mismatch"):
+        torch.testing.assert_close(r["x"], torch.ones(2))
+
+
+# --- broadcast --------------------------------------------------------------------------
+
+
+def test_broadcast_from_each_source(job):
+    for r in ok(job, "broadcasts"):
+        close(r["from0"], r["tree0"], rtol=0, atol=0)
+        close(r["from1"], r["tree1"], rtol=0, atol=0)
+        assert r["from1"]["tied"][0] is r["from1"]["tied"][1]
+        assert r["unchanged"]
+
+
+# --- grad_and_value against DDP and composable replicate --------------------------------
+
+
+@pytest.mark.parametrize("name", ["train_mlp", "train_batchnorm", "train_tiny_buckets"])
+def test_sgd_steps_equal_ddp_and_replicate(job, name):
+    results = ok(job, name)
+    for r in results:
+        close(r["fr"], r["ddp"], rtol=0, atol=1e-6)
+        close(r["fr"], r["rep"], rtol=0, atol=1e-6)
+        assert r["model_unchanged"]
+        if r["fr_buffers"]:
+            close(r["fr_buffers"], r["ddp_buffers"], rtol=0, atol=1e-6)
+    # the ranks trained on different data, yet hold the same parameters
+    close(results[0]["fr"], results[1]["fr"], rtol=0, atol=0)
+    assert results[0]["losses"] != results[1]["losses"]
+
+
+def test_grad_equals_all_reduce_of_local_grad(job):
+    for r in ok(job, "grad_matches_all_reduce"):
+        for cap in (25.0, 1e-6):
+            grads, reduced, value, local_value = r[cap]
+            close(grads, reduced, rtol=0, atol=1e-7)
+            assert torch.equal(grads["unused"], torch.zeros(3))
+            assert torch.equal(value, local_value)
+        close(*r["sum"], rtol=0, atol=1e-7)
+        assert r["unchanged"]
+
+
+# --- failures that must not hang --------------------------------------------------------
+
+
+@pytest.mark.parametrize("stall", [False, True], ids=["exits", "stalls"])
+def test_dead_rank_makes_the_other_raise(stall):
+    res = w.spawn(["survivor"], pg_timeout=5.0, deadline=60.0, die=1, stall=stall)["survivor"][0]
+    assert res[0] == "raised", f"the survivor's all_reduce returned: {res!r}"
+    assert res[-1] < 20.0  # within the group's timeout (5 s) and some slack, not a hang
+
+
+# --- no process group -------------------------------------------------------------------
+
+
+def test_without_group_trees_come_back_unchanged():
+    tree = {"w": torch.ones(2), "n": 3}
+    assert fr.distributed.all_reduce(tree) is tree
+    assert fr.distributed.broadcast(tree) is tree
+    assert fr.distributed.sync_buffers(tree, mode="mean") is tree
+    grads, value = fr.distributed.grad_and_value(lambda t: (t["w"] * 2).sum())({"w": torch.ones(2)})
+    torch.testing.assert_close(grads["w"], torch.full((2,), 2.0))
+    torch.testing.assert_close(value, torch.tensor(4.0))
+
+
+def test_bad_arguments_raise():
+    with pytest.raises(ValueError, match=r"fr\.distributed\.all_reduce: op must be"):
+        fr.distributed.all_reduce({}, op="max")
+    with pytest.raises(ValueError, match=r"compress must be None, 'bf16' or 'fp16'"):
+        fr.distributed.all_reduce({}, compress="int8")
+    with pytest.raises(ValueError, match=r"fr\.distributed\.sync_buffers: mode must be"):
+        fr.distributed.sync_buffers({}, mode="first")
+    with pytest.raises(ValueError, match=r"fr\.distributed\.grad_and_value: op must be"):
+        fr.distributed.grad_and_value(lambda p: p, op="avg")
