@@ -784,3 +784,22 @@ def test_data_parallel_grad_rejects_bad_input() -> None:
         ValueError, match=r"fr\.data_parallel_grad: the tensor at batch\[1\] is 0-dim"
     ):
         step(_mlp_params(), torch.randn(4, 4), torch.tensor(1))
+
+
+@needs_cuda
+def test_all_reduce_and_data_parallel_grad_across_cpu_and_cuda() -> None:
+    a, b = torch.randn(3, 2), torch.randn(3, 2)
+    out = fr.all_reduce(
+        [{"w": a, "n": torch.tensor([1])}, {"w": b.cuda(), "n": torch.tensor([2]).cuda()}], op="sum"
+    )
+    assert out[0]["w"].device.type == "cpu" and out[1]["w"].device.type == "cuda"
+    torch.testing.assert_close(out[1]["w"].cpu(), a + b)
+    torch.testing.assert_close(out[0]["n"], torch.tensor([3]))
+
+    params = _mlp_params()
+    x, y = torch.randn(12, 4), torch.randint(0, 3, (12,))
+    grads, loss = fr.data_parallel_grad(_mlp_loss, ["cuda:0", "cpu"])(params, x, y)
+    ref_grads, ref_loss = torch.func.grad_and_value(_mlp_loss)(params, x, y)
+    assert all(g.device.type == "cpu" for g in grads.values())
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)
