@@ -37,6 +37,7 @@ def check_against_stateful(
     inputs: Any,
     devices: Sequence[Any],
     *,
+    buffers: str = "first",
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
@@ -49,7 +50,10 @@ def check_against_stateful(
     parameter that requires grad (zero where PyTorch leaves ``None``), and the
     buffers after the call, with ``assert_trees_close(rtol=, atol=)``; also
     asserts that neither the module's tensors nor the inputs were modified.
-    Raises ``AssertionError`` naming what differs and where.
+    Raises ``AssertionError`` naming what differs and where. With
+    ``buffers="mean"`` (``fr.data_parallel``'s option, which DataParallel
+    lacks), the reference buffers are the mean over the replicas' copies of
+    every floating-point buffer, the others replica 0's.
 
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <...>
@@ -57,14 +61,18 @@ def check_against_stateful(
     >>> check_against_stateful(model, (torch.randn(6, 3),), ["cpu", "cpu", "cpu"])
     """
     args, kwargs = _arguments(inputs)
+    if buffers not in ("first", "mean"):
+        raise ValueError(
+            f"check_against_stateful: buffers must be 'first' or 'mean', got {buffers!r}"
+        )
     devs = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
     if not devs:
         raise ValueError("check_against_stateful: devices must name at least one device")
     before = _snapshot((module, args, kwargs))
 
-    out_f, grads_f, buffers_f = _functional(module, args, kwargs, devices)
+    out_f, grads_f, buffers_f = _functional(module, args, kwargs, devices, buffers)
     _check_unchanged(before, "fr.data_parallel")
-    out_s, grads_s, buffers_s = _stateful(module, args, kwargs, devs)
+    out_s, grads_s, buffers_s = _stateful(module, args, kwargs, devs, buffers)
     _check_unchanged(before, "the stateful path")
 
     for what, actual, expected in (
@@ -107,7 +115,11 @@ def _loss(out: Any) -> torch.Tensor | None:
 
 
 def _functional(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], devices: Sequence[Any]
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devices: Sequence[Any],
+    buffers: Any,
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     s = fr.state(module)
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -116,7 +128,7 @@ def _functional(
         for name, p in s.params.items()
     }
     out, new = fr.data_parallel(
-        module, fr.State(params, s.buffers), *args, devices=devices, **kwargs
+        module, fr.State(params, s.buffers), *args, devices=devices, buffers=buffers, **kwargs
     )
     wrt = [params[name] for name in params if name in trainable]
     loss = _loss(out)
@@ -129,13 +141,17 @@ def _functional(
 
 
 def _stateful(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], devs: list[torch.device]
+    module: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    devs: list[torch.device],
+    buffers: str,
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     home = {name: t.device for name, t in module.named_parameters()}
     home.update({name: t.device for name, t in module.named_buffers()})
     base = copy.deepcopy(module)
     distinct_cuda = all(d.type == "cuda" for d in devs) and len(set(devs)) == len(devs)
-    if distinct_cuda:
+    if distinct_cuda and buffers == "first":
         base.to(devs[0])
         dp = nn.DataParallel(base, device_ids=[d.index for d in devs], output_device=devs[0].index)
         out = dp(*args, **kwargs)
@@ -156,8 +172,14 @@ def _stateful(
             if g is not None:
                 total = total + g.to(home[name])
         grads[name] = total
-    buffers = {name: b.to(home[name]) for name, b in replicas[0].named_buffers()}
-    return _detached(out), grads, buffers
+    kept = {}
+    for name, b in replicas[0].named_buffers():
+        if buffers == "mean" and (b.is_floating_point() or b.is_complex()):
+            copies = [dict(r.named_buffers())[name].detach().to(home[name]) for r in replicas]
+            kept[name] = torch.stack(copies).mean(0)
+        else:
+            kept[name] = b.detach().to(home[name])
+    return _detached(out), grads, kept
 
 
 def _data_parallel_by_hand(

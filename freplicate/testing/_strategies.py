@@ -103,7 +103,9 @@ def trees(
     (0-dim included) of up to ``max_side`` elements each (empty included), and
     lie on ``device``. With ``batch_size``, every tensor leaf has at least one
     dimension and ``batch_size`` elements along dimension 0 (scatterable). With
-    ``non_tensor_leaves``, ints, floats and strings appear as leaves too; with
+    ``non_tensor_leaves``, ints, floats, strings and None appear too (None is
+    a node to optree but a leaf to ``torch.utils._pytree`` and so to
+    ``torch.func``: without them, every leaf is a tensor in both views); with
     ``aliased``, one tensor object may stand at several leaf positions (tied
     weights). At most ``max_leaves`` leaves.
 
@@ -129,14 +131,14 @@ def trees(
             lambda tail: [batch_size, *tail]
         )
     tensors = st.builds(_tensor, shapes, st.sampled_from(list(dtypes)), _SEEDS, st.just(device))
-    others: list[st.SearchStrategy[Any]] = [st.none()]
+    base = tensors
     if non_tensor_leaves:
-        others += [
+        base = base | st.one_of(
+            st.none(),
             st.integers(-3, 3),
             st.floats(-2.0, 2.0, allow_nan=False),
             st.text("xyz", max_size=2),
-        ]
-    base = tensors | st.one_of(others)
+        )
 
     def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         return st.one_of(

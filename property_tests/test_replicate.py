@@ -1,0 +1,109 @@
+"""``fr.replicate``: values, structure, devices and ties kept; its gradient is the sum over replicas."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optree
+import torch
+import torch.func
+from _property_support import Unchanged, to_device
+from hypothesis import given
+from hypothesis import strategies as st
+
+import freplicate as fr
+from freplicate.testing import assert_trees_close, devices, trees
+from freplicate.testing._strategies import FLOAT_DTYPES
+
+
+@given(trees(), devices(), st.booleans())
+def test_replicas_keep_values_structure_devices_and_ties(tree: Any, devs: list[str], detach: bool):
+    unchanged = Unchanged(tree)
+    replicas = fr.replicate(tree, devs, detach=detach)
+    unchanged.check("fr.replicate")
+    assert len(replicas) == len(devs)
+    leaves = optree.tree_leaves(tree)
+    for replica, dev in zip(replicas, devs):
+        assert_trees_close(replica, to_device(tree, dev))
+        got = optree.tree_leaves(replica)
+        for i, (a, x) in enumerate(zip(leaves, got)):
+            if not isinstance(a, torch.Tensor):
+                assert x is a, "a non-tensor leaf must pass by reference"
+                continue
+            if a.device == torch.device(dev):
+                assert x is a, "a leaf already on the target device is shared, not copied"
+            for j in range(i):
+                # tied leaves stay one object within each replica, and only they do
+                assert (got[j] is x) == (leaves[j] is a)
+
+
+def _with_grad(tree: Any) -> Any:
+    """Fresh leaves that require grad, ties kept."""
+    made: dict[int, torch.Tensor] = {}
+    leaves, spec = optree.tree_flatten(tree)
+    fresh = [made.setdefault(id(t), t.detach().clone().requires_grad_(True)) for t in leaves]
+    return optree.tree_unflatten(spec, fresh)
+
+
+def _weights(n_leaves: int, n_replicas: int, seed: int) -> list[list[int]]:
+    # small integer weights: every gradient below is an exact sum in any float dtype
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-3, 4, (n_replicas, n_leaves), generator=g).tolist()
+
+
+@given(trees(dtypes=FLOAT_DTYPES, non_tensor_leaves=False), devices(), st.integers(0, 2**16))
+def test_gradient_reaching_the_tree_is_the_sum_over_replicas(tree: Any, devs: list[str], seed: int):
+    tree = _with_grad(tree)
+    leaves = optree.tree_leaves(tree)
+    if not leaves:
+        return
+    w = _weights(len(leaves), len(devs), seed)
+    replicas = fr.replicate(tree, devs)
+    loss = sum(
+        (x.double() * w[r][i]).sum()
+        for r, rep in enumerate(replicas)
+        for i, x in enumerate(optree.tree_leaves(rep))
+    )
+    unique = list({id(t): t for t in leaves}.values())
+    grads = torch.autograd.grad(loss, unique, allow_unused=True, materialize_grads=True)
+    for t, g in zip(unique, grads):
+        expected = torch.zeros_like(t)
+        for r in range(len(devs)):
+            for i, x in enumerate(leaves):
+                if x is t:
+                    expected += w[r][i]
+        torch.testing.assert_close(g, expected, rtol=0, atol=0)
+
+
+@given(
+    trees(dtypes=(torch.float32, torch.float64), non_tensor_leaves=False, aliased=False),
+    devices(),
+    st.integers(0, 2**16),
+)
+def test_gradient_under_torch_func_grad_is_the_sum(tree: Any, devs: list[str], seed: int):
+    leaves = optree.tree_leaves(tree)
+    w = _weights(len(leaves), len(devs), seed)
+
+    def loss(t: Any) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        for r, rep in enumerate(fr.replicate(t, devs)):
+            for i, x in enumerate(optree.tree_leaves(rep)):
+                total = total + (x.double() * w[r][i]).sum().to("cpu")
+        return total
+
+    grads = torch.func.grad(loss)(tree)
+    expected = optree.tree_unflatten(
+        optree.tree_structure(tree),
+        [
+            torch.full_like(x, float(sum(w[r][i] for r in range(len(devs)))))
+            for i, x in enumerate(leaves)
+        ],
+    )
+    assert_trees_close(grads, expected, rtol=0, atol=0)
+
+
+@given(trees(dtypes=FLOAT_DTYPES, non_tensor_leaves=False), devices())
+def test_detached_replicas_carry_no_graph(tree: Any, devs: list[str]):
+    tree = _with_grad(tree)
+    for replica in fr.replicate(tree, devs, detach=True):
+        assert all(x.grad_fn is None for x in optree.tree_leaves(replica))

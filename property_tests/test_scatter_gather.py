@@ -1,0 +1,97 @@
+"""``fr.scatter`` and ``fr.gather``: cut as ``torch.chunk`` does, and gather undoes scatter."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import optree
+import pytest
+import torch
+from _property_support import Unchanged, refill, tensor_leaves, to_device
+from hypothesis import given
+from hypothesis import strategies as st
+
+import freplicate as fr
+from freplicate.testing import assert_trees_close, devices, trees
+from freplicate.testing._strategies import FLOAT_DTYPES
+
+batched = st.integers(0, 6).flatmap(lambda b: trees(batch_size=b, max_leaves=5))
+
+
+@given(batched, devices())
+def test_shards_are_the_chunks_of_every_leaf(tree: Any, devs: list[str]):
+    unchanged = Unchanged(tree)
+    shards = fr.scatter(tree, devs)
+    unchanged.check("fr.scatter")
+    leaves = optree.tree_leaves(tree)
+    chunks = [t.chunk(len(devs)) for t in tensor_leaves(tree)]
+    assert len(shards) == min((len(c) for c in chunks), default=len(devs))
+    for i, shard in enumerate(shards):
+        assert optree.tree_structure(shard) == optree.tree_structure(tree)
+        got = optree.tree_leaves(shard)
+        k = 0
+        for x, a in zip(got, leaves):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(x, chunks[k][i].to(devs[i]), rtol=0, atol=0)
+                k += 1
+            else:
+                assert x is a, "a non-tensor leaf is shared by every shard"
+
+
+@given(batched, devices())
+def test_gather_undoes_scatter(tree: Any, devs: list[str]):
+    shards = fr.scatter(tree, devs)
+    unchanged = Unchanged(shards)
+    back = fr.gather(shards, devs[0])
+    unchanged.check("fr.gather")
+    assert_trees_close(back, to_device(tree, devs[0]), rtol=0, atol=0)
+
+
+@given(
+    st.integers(1, 6).flatmap(
+        lambda b: trees(batch_size=b, dtypes=FLOAT_DTYPES, non_tensor_leaves=False, aliased=False)
+    ),
+    devices(),
+    st.integers(0, 2**16),
+)
+def test_scatter_then_gather_passes_gradients_through(tree: Any, devs: list[str], seed: int):
+    tree = optree.tree_map(lambda t: t.detach().requires_grad_(True), tree)
+    weights = refill(tree, seed, devs[0])
+    out = fr.gather(fr.scatter(tree, devs), devs[0])
+    loss = sum(
+        (o.double() * w.double()).sum() for o, w in zip(tensor_leaves(out), tensor_leaves(weights))
+    )
+    if not tensor_leaves(tree):
+        return
+    grads = torch.autograd.grad(loss, tensor_leaves(tree))
+    for g, w in zip(grads, tensor_leaves(weights)):
+        torch.testing.assert_close(g, w.to(g.device), rtol=0, atol=0)
+
+
+@given(trees(max_dims=0, max_leaves=5, aliased=False), devices(), st.integers(0, 2**16))
+def test_gather_stacks_0_dim_leaves_and_merges_equal_non_tensors(
+    tree: Any, devs: list[str], seed: int
+):
+    replicas = [refill(tree, seed + i, d) for i, d in enumerate(devs)]
+    out = fr.gather(replicas, devs[0])
+    columns = zip(*(optree.tree_leaves(r) for r in replicas))
+    for x, column in zip(optree.tree_leaves(out), columns):
+        if isinstance(column[0], torch.Tensor):
+            expected = torch.stack([c.to(devs[0]) for c in column])
+            torch.testing.assert_close(x, expected, rtol=0, atol=0)
+        else:
+            assert x == column[0], "non-tensor leaves equal in every tree come back once"
+
+
+@given(trees(max_leaves=4), st.data())
+def test_gather_of_different_structures_names_the_path(tree: Any, data: st.DataObject):
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree)
+    if not leaves:
+        return
+    i = data.draw(st.integers(0, len(leaves) - 1))
+    other = list(leaves)
+    other[i] = [leaves[i], leaves[i]]  # one leaf becomes a list: the structures part there
+    bent = optree.tree_unflatten(spec, other)
+    with pytest.raises(ValueError, match=r"fr\.gather: .*" + re.escape(accessors[i].codify(""))):
+        fr.gather([tree, bent], "cpu")
