@@ -54,7 +54,7 @@ def grad_and_value(
                     f"fr.grad_and_value: argnums={argnums!r} is out of range for "
                     f"{len(args)} positional argument(s)"
                 )
-        all_leaves = optree.tree_leaves((args, kwargs))
+        all_leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
         if any(isinstance(t, torch.Tensor) and t.requires_grad for t in all_leaves):
             # an outer autograd graph: torch.func keeps it, so let it answer
             return reference(*args, **kwargs)

@@ -231,7 +231,7 @@ def reduce_add_coalesced(
     # group positions by dtype and by the devices they lie on in every list
     groups = group_by(
         range(len(first)),  # type: ignore[arg-type]
-        lambda i: (first[i].dtype, tuple(lst[i].device for lst in tensor_lists)),  # type: ignore[index]
+        lambda i: (first[i].dtype, tuple(lst[i].device for lst in tensor_lists)),  # type: ignore[index, call-overload]
     )
     result: list[torch.Tensor | None] = [None] * len(first)
     for idx in groups.values():
@@ -247,3 +247,72 @@ def reduce_add_coalesced(
         for i, view in zip(idx, unpack(total, layout_of([first[i] for i in idx]))):
             result[i] = view
     return result  # type: ignore[return-value]
+
+
+# --- Flat buffers reused across calls (fr.distributed) -----------------------------------
+# Appended for fr.distributed's buckets: a collective reduces a flat buffer in
+# place, and handing its views out as results is the cheapest way back to a
+# tree; a fresh buffer per call costs page faults on large trees. A pool
+# reuses a buffer only once no tensor outside the pool shares its storage.
+
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class FlatPool:
+    """Flat buffers for one layout, each reused only when nothing outside the pool holds it.
+
+    ``take()`` returns ``(flat, views)``: ``views`` are the pool's own views
+    of ``flat``, shaped as the layout (to pack into with
+    ``torch._foreach_copy_``). Fresh views made by ``pool.views(flat)`` and
+    handed out as results keep that buffer out of use until they, and every
+    view or autograd record made from them, are gone; then a later
+    ``take()`` hands it out again. At most ``keep`` buffers are kept; when
+    all are busy a fresh, unkept one is returned.
+
+    >>> pool = FlatPool(layout_of([torch.ones(2, 1), torch.ones(3)]), torch.float32)
+    >>> a, _ = pool.take()
+    >>> result = pool.views(a)  # handed out: a is busy
+    >>> [v.shape for v in result]
+    [torch.Size([2, 1]), torch.Size([3])]
+    >>> b, _ = pool.take()
+    >>> b.data_ptr() != a.data_ptr()
+    True
+    >>> del result
+    >>> pool.take()[0].data_ptr() == a.data_ptr()
+    True
+    """
+
+    def __init__(self, layout: Layout, dtype: torch.dtype, *, keep: int = 3) -> None:
+        self.layout = layout._replace(dtype=dtype)
+        self.keep = keep if _storage_use_count is not None else 0
+        self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
+        self.specs = []
+        offset = 0
+        for shape, n in zip(layout.shapes, layout.numels):
+            strides = torch._prims_common.make_contiguous_strides_for(shape)
+            self.specs.append((shape, strides, offset))
+            offset += n
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Fresh views of ``flat`` (a buffer of this pool) shaped as the layout.
+
+        The same as ``unpack(flat, layout)``, in fewer steps: one
+        ``as_strided`` per tensor.
+        """
+        view = flat.as_strided
+        return [view(shape, strides, offset) for shape, strides, offset in self.specs]
+
+    @staticmethod
+    def _uses(flat: torch.Tensor) -> int:
+        return _storage_use_count(flat.untyped_storage()._cdata)  # type: ignore[misc]
+
+    def take(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        for flat, views, idle in self.entries:
+            if self._uses(flat) == idle:
+                return flat, views
+        lay = self.layout
+        flat = torch.empty(lay.numel, dtype=lay.dtype, device=lay.device)
+        views = self.views(flat)
+        if len(self.entries) < self.keep:
+            self.entries.append((flat, views, self._uses(flat)))
+        return flat, views

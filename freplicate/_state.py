@@ -10,15 +10,19 @@ module and kept in a small pool (one per concurrent caller): a lock guards
 only the pool, never the forward, so replicas run truly in parallel.
 
 Each call refreshes every skeleton object's plain attributes from its
-original (``training``, hooks, ``dropout.p`` ...), and a change of structure
-(a parameter, buffer or submodule registered anywhere after the skeleton was
-built) makes the next call rebuild it.
+original (``training``, hooks, ``dropout.p`` ..., and attributes deleted
+since), and a change of structure makes the next call rebuild it: a
+parameter, buffer or submodule registered anywhere (registration hooks), or
+a child removed or inserted without one (``del seq[1]``, ``seq.insert``,
+``seq.pop``, which write ``_modules`` directly).
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
+from collections import deque
 from typing import Any, NamedTuple
 
 import torch
@@ -73,33 +77,41 @@ nn.modules.module.register_module_buffer_registration_hook(_bump)
 nn.modules.module.register_module_module_registration_hook(_bump)
 
 _MISSING: Any = object()
+_MODULES = operator.itemgetter("_modules")
+# where a tensor is bound: (the copy's dict, key, canonical name, the original's dict)
+_Slots = list[tuple[dict[str, Any], str, str, dict[str, Any]]]
 
 
 class _Skeleton:
     """One shallow copy of a module tree, with its own tensor and child dicts."""
 
-    __slots__ = ("buffer_slots", "dicts", "owned", "param_slots", "root")
+    __slots__ = ("buffer_slots", "dicts", "own", "param_slots", "root")
 
     def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
-        copies: list[nn.Module] = []
-        for m in mods:
+        copies: list[nn.Module] = list(mods)  # a module without tensors below it is used as is
+        for i in binder.copied:
+            m = mods[i]
             c = m.__new__(type(m))
             c.__dict__ = m.__dict__.copy()
             c.__dict__["_parameters"] = dict(m._parameters)
             c.__dict__["_buffers"] = dict(m._buffers)
             c.__dict__["_modules"] = dict(m._modules)
-            copies.append(c)
-        for c, kids in zip(copies, binder.children):
-            for key, j in kids:
+            copies[i] = c
+        for i in binder.copied:
+            c = copies[i]
+            for key, j in binder.children[i]:
                 c._modules[key] = copies[j] if j >= 0 else None
         self.root = copies[0]
-        self.dicts = [c.__dict__ for c in copies]
-        self.owned = [(c._parameters, c._buffers, c._modules) for c in copies]
-        self.param_slots = [
+        self.dicts = [copies[i].__dict__ for i in binder.copied]
+        self.own = [
+            {"_parameters": c._parameters, "_buffers": c._buffers, "_modules": c._modules}
+            for c in (copies[i] for i in binder.copied)
+        ]
+        self.param_slots: _Slots = [
             (copies[i]._parameters, key, canon, mods[i]._parameters)
             for i, key, canon in binder.param_slots
         ]
-        self.buffer_slots = [
+        self.buffer_slots: _Slots = [
             (copies[i]._buffers, key, canon, mods[i]._buffers)
             for i, key, canon in binder.buffer_slots
         ]
@@ -114,21 +126,23 @@ class _Binder:
         self.generation = _GENERATION[0]
         self.mods_ref = [weakref.ref(m) for m in mods]
         self.orig_dicts = [m.__dict__ for m in mods]
+        self.children_snapshot = [dict(m._modules) for m in mods]
         self.children = [
             [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
             for m in mods
         ]
         canon: dict[int, str] = {}
-        for name, t in module.named_parameters():
-            canon.setdefault(id(t), name)
+        for name, p in module.named_parameters():
+            canon.setdefault(id(p), name)
         for name, t in module.named_buffers():
             canon.setdefault(id(t), name)
         # every name a tensor is reachable under (tied weights, shared submodules)
         self.alias: dict[str, str] = {}
-        for name, t in module.named_parameters(remove_duplicate=False):
-            self.alias[name] = canon[id(t)]
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.alias[name] = canon[id(p)]
         for name, t in module.named_buffers(remove_duplicate=False):
             self.alias[name] = canon[id(t)]
+        self.canonical_names = frozenset(canon.values())
         self.param_slots = [
             (i, key, canon[id(p)])
             for i, m in enumerate(mods)
@@ -142,8 +156,27 @@ class _Binder:
             if b is not None
         ]
         self.buffer_names = list(dict.fromkeys(c for _, _, c in self.buffer_slots))
+        # Only modules with a tensor somewhere below them need a copy of their own;
+        # the rest (activations, dropout, ...) hold nothing to bind, and the skeleton
+        # calls the originals, so each call refreshes fewer attribute dicts.
+        needs = [False] * len(mods)
+        for i, _, _ in self.param_slots + self.buffer_slots:
+            needs[i] = True
+        grew = True
+        while grew:  # up from every holder to the root (shared submodules: any order)
+            grew = False
+            for i, kids in enumerate(self.children):
+                if not needs[i] and any(j >= 0 and needs[j] for _, j in kids):
+                    needs[i] = grew = True
+        self.copied = [i for i, n in enumerate(needs) if n]
+        self.copied_dicts = [self.orig_dicts[i] for i in self.copied]
         self.pool: list[_Skeleton] = []
         self.lock = threading.Lock()
+
+    def children_unchanged(self) -> bool:
+        # Deleting or inserting a child (``del seq[1]``, ``seq.insert``) fires no
+        # registration hook; children compare by identity, at C speed.
+        return all(map(operator.eq, map(_MODULES, self.orig_dicts), self.children_snapshot))
 
     def same_structure(self, other: _Binder) -> bool:
         return (
@@ -171,7 +204,7 @@ _BINDERS_LOCK = threading.Lock()
 
 def _binder(module: nn.Module) -> _Binder:
     b = _BINDERS.get(module)
-    if b is not None and b.generation == _GENERATION[0]:
+    if b is not None and b.generation == _GENERATION[0] and b.children_unchanged():
         return b
     # Something, somewhere, registered a tensor or a submodule: check this module.
     with _BINDERS_LOCK:
@@ -184,6 +217,8 @@ def _binder(module: nn.Module) -> _Binder:
 
 
 def _canonical(given: dict[str, torch.Tensor], b: _Binder, what: str) -> dict[str, torch.Tensor]:
+    if given.keys() <= b.canonical_names:  # the common case, checked at C speed
+        return given
     alias = b.alias
     unknown = [k for k in given if k not in alias]
     if unknown:
@@ -233,11 +268,15 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     buffers = _canonical(state[1], b, "buffers")
     skel = b.acquire()
     try:
-        for sd, od, (p, bu, mo) in zip(skel.dicts, b.orig_dicts, skel.owned):
-            sd.update(od)
-            sd["_parameters"] = p
-            sd["_buffers"] = bu
-            sd["_modules"] = mo
+        deque(map(dict.update, skel.dicts, b.copied_dicts), 0)
+        deque(map(dict.update, skel.dicts, skel.own), 0)
+        if list(map(len, skel.dicts)) != list(map(len, b.copied_dicts)):
+            # an attribute deleted from the module, or set on the skeleton by a forward
+            for sd, od, own in zip(skel.dicts, b.copied_dicts, skel.own):
+                if len(sd) != len(od):
+                    sd.clear()
+                    sd.update(od)
+                    sd.update(own)
         pget, bget = params.get, buffers.get
         for d, key, canon, od in skel.param_slots:
             v = pget(canon, _MISSING)
