@@ -267,10 +267,12 @@ def test_parallel_apply_runs_every_replica_at_once_in_threads_that_end() -> None
 
     ws = [torch.tensor(float(i)) for i in range(3)]
     xs = [(torch.tensor(10.0),), [torch.tensor(20.0)], torch.tensor(30.0)]
+    snap = snapshot(ws, xs)
     out = fr.parallel_apply(fn, ws, xs, devices=["cpu"] * 3, kwargs=[{"k": 1}, {"k": 2}, {"k": 3}])
     assert out == [torch.tensor(1.0), torch.tensor(22.0), torch.tensor(63.0)]
     assert len(set(idents)) == 3 and threading.get_ident() in idents
     assert threading.active_count() == before
+    assert_unchanged(snap)
 
 
 def test_parallel_apply_with_one_replica_runs_inline() -> None:
