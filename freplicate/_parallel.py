@@ -452,6 +452,11 @@ def data_parallel(
     (torch.Size([8, 2]), 1)
     """
     name = "fr.data_parallel"
+    if not (isinstance(state, tuple) and len(state) == 2):
+        raise TypeError(
+            f"{name}: state must be an fr.State(params, buffers), got {type(state).__name__}; "
+            "make one with fr.state(module)"
+        )
     if buffers not in ("first", "mean"):
         raise ValueError(f"{name}: buffers must be 'first' or 'mean', got {buffers!r}")
     devs = as_devices(devices, fn=name)

@@ -580,6 +580,11 @@ def test_data_parallel_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match=r"fr\.data_parallel: devices is empty"):
         fr.data_parallel(lin, s, x, devices=[])
     with pytest.raises(
+        TypeError,
+        match=r"fr\.data_parallel: state must be an fr\.State\(params, buffers\), got dict",
+    ):
+        fr.data_parallel(lin, dict(s.params), x, devices=["cpu"])  # type: ignore[arg-type]
+    with pytest.raises(
         ValueError,
         match=r"fr\.data_parallel: dim=3 is out of range for the tensor at inputs\[0\] of shape \(4, 3\)",
     ):
