@@ -1,0 +1,263 @@
+"""``fr.replicate``: structure, sharing, aliasing, coalescing, gradients, and every error's words."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import optree
+import pytest
+import torch
+from torch import nn
+
+import freplicate as fr
+from freplicate import _pack
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+
+Pair = namedtuple("Pair", "left right")
+
+
+def make_tree() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    tied = torch.randn(3, 2, generator=g)
+    return {
+        "w": torch.randn(4, 3, generator=g),
+        "tied_a": tied,
+        "nested": [tied, (torch.arange(5), None), Pair(torch.tensor(2.5), "name")],
+        "scalar": torch.tensor(True),
+        "cplx": torch.randn(2, dtype=torch.complex64, generator=g),
+        "half": torch.randn(3, generator=g).half(),
+        "empty": torch.ones(0, 4),
+        "n": 7,
+        "obj": object(),
+    }
+
+
+def _leaves(tree: Any) -> list[Any]:
+    return optree.tree_leaves(tree)
+
+
+def tensor_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in _leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def guard(tree: Any) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    return [(t, t._version, t.detach().clone()) for t in tensor_leaves(tree)]
+
+
+def assert_unchanged(snap: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None:
+    for t, version, value in snap:
+        assert t._version == version and torch.equal(t, value)
+
+
+def test_structure_values_dtypes_devices() -> None:
+    tree = make_tree()
+    snap = guard(tree)
+    devices = ["cpu", "meta", torch.device("cpu"), "meta"]
+    replicas = fr.replicate(tree, devices)
+    assert len(replicas) == 4
+    spec = optree.tree_structure(tree)
+    for r, d in zip(replicas, devices):
+        assert optree.tree_structure(r) == spec
+        assert type(r["nested"][2]) is Pair
+        for got, src in zip(_leaves(r), _leaves(tree)):
+            if not isinstance(src, torch.Tensor):
+                assert got is src  # non-tensor leaves by reference
+                continue
+            assert got.device == torch.device(d)
+            assert got.dtype == src.dtype and got.shape == src.shape
+            if got.device == CPU:
+                assert got is src  # same device: shared, not copied
+    assert_unchanged(snap)
+
+
+def test_tied_leaves_stay_one_object_per_replica() -> None:
+    tree = make_tree()
+    cpu, meta, meta2 = fr.replicate(tree, ["cpu", "meta", "meta"])
+    for r in (cpu, meta, meta2):
+        assert r["tied_a"] is r["nested"][0]
+    assert cpu["tied_a"] is tree["tied_a"]
+    assert meta["tied_a"] is not cpu["tied_a"] and meta["tied_a"].device == META
+
+
+def test_transfers_are_coalesced(monkeypatch: pytest.MonkeyPatch) -> None:
+    moved: list[tuple[torch.dtype, int]] = []
+    real = _pack.move
+
+    def counting(flat: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moved.append((flat.dtype, flat.numel()))
+        return real(flat, *args, **kwargs)
+
+    monkeypatch.setattr(_pack, "move", counting)
+    tree = {f"l{i}": torch.ones(i + 1) for i in range(20)} | {"i": torch.arange(3), "t": None}
+    tree["alias"] = tree["l0"]
+    fr.replicate(tree, ["meta", "cpu", "meta", "cpu"])
+    # one buffer per dtype, moved once to meta (the repeat reuses it), tied leaf once
+    assert sorted(moved, key=str) == [(torch.float32, sum(range(1, 21))), (torch.int64, 3)]
+
+
+def test_values_on_meta_and_back_through_apply() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    s = fr.state(m)
+    replicas = fr.replicate(s, ["cpu", "cpu:0", "meta"])
+    assert all(type(r) is fr.State for r in replicas)
+    assert replicas[0] == replicas[1] and all(
+        a is b for a, b in zip(_leaves(replicas[0]), _leaves(s))
+    )
+    x = torch.randn(5, 3)
+    out, _ = fr.apply(m, replicas[1], x)
+    assert torch.equal(out, m(x))
+    out_meta, bufs = fr.apply(m, replicas[2], x.to("meta"))
+    assert out_meta.device == META and out_meta.shape == (5, 2)
+    assert bufs.buffers["1.running_mean"].device == META
+
+
+def test_parameters_and_no_tensor_trees() -> None:
+    lin = nn.Linear(2, 2)
+    params = dict(lin.named_parameters())
+    (same,) = fr.replicate(params, ["cpu"])
+    assert same["weight"] is lin.weight
+    tree = {"a": 1, "b": [None, "x"]}
+    assert fr.replicate(tree, ["cpu", "meta"]) == [tree, tree]
+
+
+def oracle_copies(
+    tree: dict[str, torch.Tensor], devices: list[str]
+) -> list[dict[str, torch.Tensor]]:
+    """The stateful way: every replica made with plain ``.to()``."""
+    return [{k: v.to(d) for k, v in tree.items()} for d in devices]
+
+
+def weighted(
+    replicas: list[dict[str, torch.Tensor]], coeffs: list[dict[str, torch.Tensor]]
+) -> torch.Tensor:
+    return sum(
+        ((r[k].to("cpu") * c[k]).sum() + (r[k] ** 2).sum() * (i + 1))
+        for i, (r, c) in enumerate(zip(replicas, coeffs))
+        for k in r
+    )  # type: ignore[return-value]
+
+
+def test_gradients_sum_over_replicas_like_to_copies_under_autograd() -> None:
+    g = torch.Generator().manual_seed(1)
+    devices = ["cpu", "cpu", "cpu"]
+    tree = {"a": torch.randn(3, 2, generator=g), "b": torch.randn(4, generator=g)}
+    coeffs = [{k: torch.randn(v.shape, generator=g) for k, v in tree.items()} for _ in devices]
+    leaves = {k: v.clone().requires_grad_() for k, v in tree.items()}
+    got = torch.autograd.grad(
+        weighted(fr.replicate(leaves, devices), coeffs), list(leaves.values())
+    )
+    expected = torch.autograd.grad(
+        weighted(oracle_copies(leaves, devices), coeffs), list(leaves.values())
+    )
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    # and the sum really is over all replicas
+    manual = sum(c["a"] + 2 * (i + 1) * leaves["a"].detach() for i, c in enumerate(coeffs))
+    torch.testing.assert_close(got[0], manual)
+
+
+def test_gradients_under_torch_func_grad_and_vjp() -> None:
+    g = torch.Generator().manual_seed(2)
+    devices = ["cpu", "cpu"]
+    tree = {"a": torch.randn(3, generator=g), "b": torch.randn(2, 2, generator=g)}
+    coeffs = [{k: torch.randn(v.shape, generator=g) for k, v in tree.items()} for _ in devices]
+    got = torch.func.grad(lambda t: weighted(fr.replicate(t, devices), coeffs))(tree)
+    expected = torch.func.grad(lambda t: weighted(oracle_copies(t, devices), coeffs))(tree)
+    for k in tree:
+        torch.testing.assert_close(got[k], expected[k])
+    _, vjp = torch.func.vjp(lambda t: fr.replicate(t, devices), tree)
+    (back,) = vjp(coeffs)
+    for k in tree:
+        torch.testing.assert_close(back[k], coeffs[0][k] + coeffs[1][k])
+    assert all(t._version == 0 for t in tree.values())
+
+
+def test_copies_stay_in_the_graph_unless_detach() -> None:
+    w = torch.randn(3, requires_grad=True)
+    cpu, meta = fr.replicate({"w": w}, ["cpu", "meta"])
+    assert cpu["w"] is w and meta["w"].requires_grad and meta["w"].grad_fn is not None
+    cpu, meta = fr.replicate({"w": w}, ["cpu", "meta"], detach=True)
+    for r in (cpu, meta):
+        assert not r["w"].requires_grad and r["w"].grad_fn is None
+    assert cpu["w"].data_ptr() == w.data_ptr()  # detached, still not copied
+    (r,) = fr.replicate({"w": w * 2}, ["cpu"], detach=True)
+    assert r["w"].grad_fn is None
+
+
+@pytest.mark.parametrize(
+    "devices, match",
+    [
+        ([], r"^fr\.replicate: devices is empty; give at least one device$"),
+        (["cpu", "gpu"], r"^fr\.replicate: devices\[1\] is not a device: 'gpu' \(expected e\.g\."),
+        ([-1], r"^fr\.replicate: devices\[0\] is not a device: CUDA index -1 is negative$"),
+        ("cpu", r"^fr\.replicate: devices must be a list of devices, got a single device 'cpu'"),
+    ],
+)
+def test_bad_devices(devices: Any, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        fr.replicate({"a": torch.ones(1)}, devices)
+
+
+@no_cuda
+def test_cuda_without_cuda() -> None:
+    with pytest.raises(
+        ValueError, match=r"^fr\.replicate: devices\[1\] is 'cuda:0' but CUDA is not available"
+    ):
+        fr.replicate({"a": torch.ones(1)}, ["cpu", 0])
+
+
+def test_sparse_leaf_needing_a_copy_names_its_path() -> None:
+    t = torch.ones(2)
+    sparse = torch.eye(3).to_sparse()
+    tree = {"a": t, "b": 3, "c": t, "z": [torch.zeros(2), sparse]}
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.replicate: the tensor at \['z'\]\[1\] has layout torch\.sparse_coo, which cannot be packed",
+    ):
+        fr.replicate(tree, ["cpu", "meta"])
+    # on its own device it is shared, nothing to pack
+    (same,) = fr.replicate(tree, ["cpu"])
+    assert same["z"][1] is sparse
+
+
+def test_unmovable_leaf_names_its_path() -> None:
+    tree = {
+        "ok": torch.ones(1, device="meta"),
+        "state": fr.State({"w": torch.ones(2, device="meta")}, {}),
+    }
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.replicate: cannot move the tensor\(s\) at \['ok'\], \['state'\]\.params\['w'\] from meta to cpu: ",
+    ):
+        fr.replicate(tree, ["cpu"])
+
+
+@needs_cuda
+def test_cuda_round_trip_and_gradients() -> None:
+    g = torch.Generator().manual_seed(3)
+    devices = ["cuda:0", "cpu", "cuda:0"]
+    tree = {"a": torch.randn(3, 2, generator=g), "b": torch.randn(4, generator=g).double()}
+    coeffs = [
+        {k: torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in tree.items()}
+        for _ in devices
+    ]
+    leaves = {k: v.clone().requires_grad_() for k, v in tree.items()}
+    replicas = fr.replicate(leaves, devices)
+    assert replicas[0] is not replicas[2] and replicas[0]["a"] is replicas[2]["a"]
+    assert replicas[1]["a"] is leaves["a"]
+    for k, v in tree.items():
+        assert replicas[0][k].device.type == "cuda" and torch.equal(replicas[0][k].cpu(), v)
+    got = torch.autograd.grad(weighted(replicas, coeffs), list(leaves.values()))
+    expected = torch.autograd.grad(
+        weighted(oracle_copies(leaves, devices), coeffs), list(leaves.values())
+    )
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b)
+    got_f = torch.func.grad(lambda t: weighted(fr.replicate(t, devices), coeffs))(tree)
+    for (k, a), b in zip(got_f.items(), expected):
+        torch.testing.assert_close(a, b, msg=k)
