@@ -429,10 +429,12 @@ def data_parallel(
     devices that got a shard (a batch smaller than ``devices`` uses only as
     many), runs ``fr.apply(module, state_i, *inputs_i, **kwargs_i)`` on every
     device in parallel, and gathers the outputs on ``output_device`` (default
-    ``devices[0]``). Gradients of a loss on ``output`` flow back to
-    ``state.params`` summed over the replicas, exactly as through
-    ``nn.DataParallel``. With no inputs at all, one replica runs (as
-    ``nn.DataParallel``).
+    ``devices[0]``). As ``nn.DataParallel``, a single device in ``devices``
+    gathers nothing: the output is the module's own (a 0-dim loss stays
+    0-dim), moved to ``output_device`` if that is another device. Gradients
+    of a loss on ``output`` flow back to ``state.params`` summed over the
+    replicas, exactly as through ``nn.DataParallel``. With no inputs at all,
+    one replica runs (as ``nn.DataParallel``).
 
     ``new_state.params`` is ``state.params``; ``new_state.buffers`` holds
     replica 0's buffers after the call (``buffers="first"``, what
@@ -477,7 +479,13 @@ def data_parallel(
         list(used),
         name,
     )
-    output = gather([r[0] for r in results], out_dev, dim=dim)
+    if len(devs) == 1:
+        # nn.DataParallel calls the module directly on one device: no gather
+        output = results[0][0]
+        if out_dev != devs[0]:
+            output = replicate(output, [out_dev])[0]
+    else:
+        output = gather([r[0] for r in results], out_dev, dim=dim)
     new_buffers = _combine_buffers([r[1].buffers for r in results], state.buffers, buffers, name)
     return output, State(state.params, new_buffers)
 

@@ -88,7 +88,8 @@ def stateful_data_parallel(
     for c in copies:
         c.zero_grad(set_to_none=True)
     outs = [c(*i, **k) for c, i, k in zip(copies, ins, kws)]
-    output = reference_gather(outs, dim)
+    # DataParallel on one device calls the module directly: nothing is gathered
+    output = outs[0] if n == 1 else reference_gather(outs, dim)
     loss_fn(output).backward()
     grads: dict[str, torch.Tensor] = {}
     for name, _ in module.named_parameters():

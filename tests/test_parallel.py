@@ -561,6 +561,27 @@ def test_data_parallel_output_device_dim_and_no_inputs() -> None:
     torch.testing.assert_close(out, torch.full((2,), 2.0))  # one replica, as nn.DataParallel
 
 
+def test_data_parallel_on_one_device_gathers_nothing_as_nn_dataparallel() -> None:
+    # nn.DataParallel with one device calls the module directly: a 0-dim output stays 0-dim
+    class Total(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> dict[str, Any]:
+            return {"total": self.lin(x).sum(), "rows": self.lin(x)}
+
+    m, x = Total(), torch.randn(3, 2)
+    out, _ = fr.data_parallel(m, fr.state(m), x, devices=["cpu"])
+    assert_trees_close(out, m(x), rtol=0, atol=0)
+    assert out["total"].shape == ()
+    out, _ = fr.data_parallel(m, fr.state(m), x, devices=["cpu"], output_device="meta")
+    assert out["total"].device.type == "meta" and out["total"].shape == ()
+    # two devices with one shard still gather, as nn.DataParallel does
+    out, _ = fr.data_parallel(m, fr.state(m), x[:1], devices=["cpu", "cpu"])
+    assert out["total"].shape == (1,)
+
+
 def test_data_parallel_reports_the_failing_replica() -> None:
     lin = nn.Linear(3, 2)
     with pytest.raises(
