@@ -1,0 +1,268 @@
+"""``fr.grad_and_value`` against ``torch.func.grad_and_value`` and the stateful backward."""
+
+from __future__ import annotations
+
+import copy
+from collections import namedtuple
+from typing import Any
+
+import optree
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._C._functorch import maybe_current_level
+
+import freplicate as fr
+
+
+class Model(nn.Module):
+    """Tied weights, BatchNorm (buffers updated in train mode) and an unused parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Linear(4, 6, bias=False)
+        self.bn = nn.BatchNorm1d(6)
+        self.dec = nn.Linear(6, 4)
+        self.out = nn.Linear(6, 4, bias=False)
+        self.out.weight = self.dec.weight  # tied: the state holds it once, as dec.weight
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        h = torch.tanh(self.bn(self.emb(x)))
+        return self.dec(h) * scale + self.out(h)
+
+
+torch.manual_seed(0)
+MODEL = Model()
+STATE = fr.state(MODEL)
+X = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+Y = torch.randint(0, 4, (8,), generator=torch.Generator().manual_seed(2))
+
+
+def loss(
+    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, *, scale: float = 1.0
+) -> torch.Tensor:
+    out, _ = fr.apply(MODEL, fr.State(params, STATE.buffers), x, scale=scale)
+    return F.cross_entropy(out, y)
+
+
+def loss_aux(
+    params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.Tensor, Any]:
+    out, new = fr.apply(MODEL, fr.State(params, STATE.buffers), x)
+    return F.cross_entropy(out, y), {"buffers": new.buffers, "out": out}
+
+
+def assert_same(actual: Any, expected: Any, *, exact: bool = False) -> None:
+    a_leaves, a_spec = optree.tree_flatten(actual)
+    e_leaves, e_spec = optree.tree_flatten(expected)
+    assert a_spec == e_spec
+    for a, e in zip(a_leaves, e_leaves):
+        if isinstance(e, torch.Tensor):
+            assert isinstance(a, torch.Tensor) and a.shape == e.shape and a.dtype == e.dtype
+            if exact:
+                assert torch.equal(a, e)
+            else:
+                torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7)
+        else:
+            assert a == e
+
+
+def snapshot(tree: Any) -> list[tuple[torch.Tensor, int, bool, torch.Tensor]]:
+    return [
+        (t, t._version, t.requires_grad, t.detach().clone())
+        for t in optree.tree_leaves(tree)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def assert_unchanged(snap: list[tuple[torch.Tensor, int, bool, torch.Tensor]]) -> None:
+    for t, version, rg, value in snap:
+        assert t._version == version and t.requires_grad == rg and torch.equal(t, value)
+
+
+def test_same_trees_and_values_as_torch_func_with_tied_batchnorm_unused() -> None:
+    assert "out.weight" not in STATE.params  # the tied weight appears once
+    snap = snapshot([STATE, X, Y, list(MODEL.parameters()), list(MODEL.buffers())])
+    grads, value = fr.grad_and_value(loss)(STATE.params, X, Y)
+    ref_grads, ref_value = torch.func.grad_and_value(loss)(STATE.params, X, Y)
+    assert_same(grads, ref_grads)
+    assert list(grads) == list(STATE.params)
+    assert torch.equal(value, ref_value) and not value.requires_grad
+    assert torch.equal(grads["unused.weight"], torch.zeros(3, 3))  # zeros, never None
+    assert torch.equal(grads["unused.bias"], torch.zeros(3))
+    assert_unchanged(snap)
+
+
+def test_equals_the_stateful_backward() -> None:
+    m = copy.deepcopy(MODEL)
+    m.zero_grad(set_to_none=True)
+    F.cross_entropy(m(X), Y).backward()
+    grads, value = fr.grad_and_value(loss)(STATE.params, X, Y)
+    for name, p in m.named_parameters():
+        expected = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], expected, msg=name)
+    torch.testing.assert_close(value, F.cross_entropy(copy.deepcopy(MODEL)(X), Y))
+
+
+def test_the_fast_path_runs_outside_transforms() -> None:
+    levels: list[Any] = []
+
+    def f(w: torch.Tensor) -> torch.Tensor:
+        levels.append((maybe_current_level(), w.requires_grad))
+        return (w**2).sum()
+
+    fr.grad_and_value(f)(torch.ones(2))
+    assert levels == [(None, True)]  # plain autograd, no functorch level
+
+
+def test_has_aux_returns_the_new_buffers() -> None:
+    (grads, (value, aux)) = fr.grad_and_value(loss_aux, has_aux=True)(STATE.params, X, Y)
+    ref_grads, (ref_value, ref_aux) = torch.func.grad_and_value(loss_aux, has_aux=True)(
+        STATE.params, X, Y
+    )
+    assert_same(grads, ref_grads)
+    assert_same(aux, ref_aux, exact=True)
+    assert torch.equal(value, ref_value)
+    assert int(aux["buffers"]["bn.num_batches_tracked"]) == 1
+    assert not aux["out"].requires_grad
+    stateful = copy.deepcopy(MODEL)
+    stateful(X)
+    for k, b in stateful.named_buffers():
+        assert torch.equal(aux["buffers"][k], b), k
+
+
+@pytest.mark.parametrize("argnums", [0, (0,), (0, 1), (1, 0), -3, 1])
+def test_argnums(argnums: int | tuple[int, ...]) -> None:
+    x = X.clone()
+    grads, value = fr.grad_and_value(loss, argnums=argnums)(STATE.params, x, Y)
+    ref_grads, ref_value = torch.func.grad_and_value(loss, argnums=argnums)(STATE.params, x, Y)
+    assert_same(grads, ref_grads)
+    assert isinstance(grads, tuple) == isinstance(argnums, tuple)
+    assert torch.equal(value, ref_value) and x._version == 0
+
+
+def test_kwargs_pass_through() -> None:
+    grads, value = fr.grad_and_value(loss)(STATE.params, X, Y, scale=3.0)
+    ref = torch.func.grad_and_value(loss)(STATE.params, X, Y, scale=3.0)
+    assert_same((grads, value), ref)
+    assert not torch.equal(value, fr.grad_and_value(loss)(STATE.params, X, Y)[1])
+
+
+def test_nested_trees_and_repeated_leaves() -> None:
+    w = torch.randn(3)
+
+    def f(tree: Any, c: torch.Tensor) -> torch.Tensor:
+        return (tree["a"][0] * c).sum() + tree["b"].w.sum() ** 2 + tree["a"][1].sum()
+
+    W = namedtuple("W", "w")
+    tree = {"a": [w, w], "b": W(torch.ones(2))}
+    c = torch.randn(3)
+    assert_same(fr.grad_and_value(f)(tree, c), torch.func.grad_and_value(f)(tree, c))
+
+
+def test_per_sample_gradients_under_vmap() -> None:
+    m = nn.Linear(4, 4)  # per-sample: a model without batch statistics
+
+    def one(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = torch.func.functional_call(m, params, (x[None],))
+        return F.cross_entropy(out, y[None])
+
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    got = torch.func.vmap(fr.grad_and_value(one), in_dims=(None, 0, 0))(params, X, Y)
+    expected = torch.func.vmap(torch.func.grad_and_value(one), in_dims=(None, 0, 0))(params, X, Y)
+    assert_same(got, expected)
+    assert got[0]["weight"].shape == (8, 4, 4)
+
+
+def test_composes_under_nested_grad() -> None:
+    def inner(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (torch.tanh(x @ w["a"]) * w["b"]).sum()
+
+    def grad_norm(g: Any) -> Any:
+        def f(w: dict[str, torch.Tensor]) -> torch.Tensor:
+            grads, _ = g(inner)(w, X)
+            return sum((t**2).sum() for t in grads.values())  # type: ignore[return-value]
+
+        return f
+
+    w = {"a": torch.randn(4, 3), "b": torch.randn(3)}
+    got = torch.func.grad(grad_norm(fr.grad_and_value))(w)
+    expected = torch.func.grad(grad_norm(torch.func.grad_and_value))(w)
+    assert_same(got, expected)
+    assert got["a"].abs().sum() > 0
+
+
+def test_inside_no_grad() -> None:
+    with torch.no_grad():
+        got = fr.grad_and_value(loss)(STATE.params, X, Y)
+        expected = torch.func.grad_and_value(loss)(STATE.params, X, Y)
+    assert_same(got, expected)
+    assert got[0]["dec.weight"].abs().sum() > 0
+
+
+def test_inputs_requiring_grad_keep_the_outer_graph() -> None:
+    x = X.clone().requires_grad_()
+    params = {k: v.clone().requires_grad_() for k, v in STATE.params.items()}
+    grads, value = fr.grad_and_value(loss)(params, x, Y)
+    ref_grads, ref_value = torch.func.grad_and_value(loss)(params, x, Y)
+    assert_same(grads, ref_grads)
+    assert grads["dec.weight"].requires_grad  # differentiable in the outer autograd
+    outer = torch.autograd.grad(
+        grads["dec.weight"].square().sum() + value, [x, params["emb.weight"]]
+    )
+    ref_outer = torch.autograd.grad(
+        ref_grads["dec.weight"].square().sum() + ref_value, [x, params["emb.weight"]]
+    )
+    for a, b in zip(outer, ref_outer):
+        torch.testing.assert_close(a, b)
+    assert all(p.grad is None for p in params.values())  # nothing accumulated into .grad
+
+
+def test_output_independent_of_the_parameters() -> None:
+    def f(w: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+    w = {"a": torch.ones(2, dtype=torch.float64), "b": torch.ones(())}
+    grads, value = fr.grad_and_value(f)(w, torch.ones(3))
+    assert_same((grads, value), torch.func.grad_and_value(f)(w, torch.ones(3)), exact=True)
+    assert grads["a"].dtype == torch.float64
+
+
+def test_non_scalar_output_raises() -> None:
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fr\.grad_and_value: expected f\(\*args\) to return a scalar tensor, got \(2,\)$",
+    ):
+        fr.grad_and_value(lambda w: w * 2)(torch.ones(2))
+    with pytest.raises(RuntimeError, match=r"return a scalar tensor, got float$"):
+        fr.grad_and_value(lambda w: 1.0)(torch.ones(2))
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fr\.grad_and_value\(f, has_aux=True\): f must return a \(output, aux\) tuple$",
+    ):
+        fr.grad_and_value(lambda w: w.sum(), has_aux=True)(torch.ones(2))
+    # torch.func rejects the same calls
+    with pytest.raises(RuntimeError, match="scalar"):
+        torch.func.grad_and_value(lambda w: w * 2)(torch.ones(2))
+
+
+def test_bad_argnums_and_leaves() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.grad_and_value: argnums must be an int or a non-empty tuple of ints, got \(\)$",
+    ):
+        fr.grad_and_value(loss, argnums=())
+    with pytest.raises(TypeError, match=r"got \[0\]$"):
+        fr.grad_and_value(loss, argnums=[0])  # type: ignore[arg-type]
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fr\.grad_and_value: argnums=3 is out of range for 3 positional argument\(s\)$",
+    ):
+        fr.grad_and_value(loss, argnums=3)(STATE.params, X, Y)
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fr\.grad_and_value: expected only tensors in args\[0\], got a leaf of type int$",
+    ):
+        fr.grad_and_value(lambda t: t["a"].sum())({"a": torch.ones(1), "n": 3})
