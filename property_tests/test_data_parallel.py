@@ -17,12 +17,11 @@ import optree
 import torch
 import torch.func
 from _property_support import Unchanged, examples
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
 from freplicate.testing import assert_trees_close, check_against_stateful, devices, modules
-from freplicate.testing._strategies import Nested
 
 
 @given(modules(), devices(), st.data())
@@ -30,9 +29,6 @@ def test_data_parallel_equals_the_stateful_oracle(
     pair: tuple[torch.nn.Module, Any], devs: list[str], data: st.DataObject
 ):
     module, inputs = pair
-    # Nested returns a 0-dim output, which fr.data_parallel on one device wrongly gathers into
-    # shape (1,): tests/test_regressions.py holds the bug; drop this once it is fixed
-    assume(not (len(devs) == 1 and isinstance(module, Nested)))
     check_against_stateful(module, data.draw(inputs, label="inputs"), devs)
 
 

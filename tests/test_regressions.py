@@ -24,16 +24,72 @@ class _Total(nn.Module):
         return self.lin(x).sum()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fr.data_parallel gathers even on a single device, so a 0-dim output comes back "
-    "with shape (1,); nn.DataParallel with one device calls the module directly and returns "
-    "the 0-dim output as is: owner must fix (freplicate/_parallel.py)",
-)
 def test_data_parallel_on_one_device_returns_the_output_as_the_module_does():
-    # found by property_tests/test_data_parallel.py::test_data_parallel_equals_the_stateful_oracle
+    # found by property_tests/test_data_parallel.py::test_data_parallel_equals_the_stateful_oracle;
+    # fr.data_parallel used to gather even on one device, turning the 0-dim output into shape (1,)
     torch.manual_seed(0)
     module, x = _Total(), torch.randn(3, 2)
     out, _ = fr.data_parallel(module, fr.state(module), x, devices=["cpu"])
     # nn.DataParallel(module, device_ids=[0]) returns module(*scatter(x)[0]): shape ()
     assert out.shape == module(x).shape == torch.Size([])
+
+
+_CACHED_LAYOUT_SCRIPT = """
+import socket, sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import freplicate as fr
+
+
+def rank_main(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=timedelta(seconds=10))
+    fr.distributed.all_reduce({"w": torch.ones(2)})  # one layout on both ranks: checked, cached
+    tree = {"w": torch.ones(2)} if rank == 0 else {"w": torch.ones(3)}
+    try:
+        fr.distributed.all_reduce(tree)
+        print(f"rank {rank}: reduced mismatched trees", flush=True)
+    except ValueError as err:
+        print(f"rank {rank}: ValueError {err}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, port)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        if p.is_alive():
+            p.kill()
+    print("exit codes", [p.exitcode for p in procs], flush=True)
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="fr.distributed.all_reduce checks a layout across ranks only the first time it sees "
+    "it: when rank 0's tree has a layout it already checked and rank 1's differs, rank 0 "
+    "reduces while rank 1 runs the check collective, and gloo aborts rank 0 (SIGABRT) instead "
+    "of a ValueError on every rank: owner must fix (freplicate/_distributed.py, _Plan.check)",
+)
+def test_distributed_mismatch_after_a_cached_layout_raises_on_every_rank(tmp_path):
+    # found by property_tests/test_distributed.py, when the mismatch property ran after the
+    # all_reduce property had reduced the same layout on both ranks
+    import subprocess
+    import sys
+
+    script = tmp_path / "cached_layout.py"
+    script.write_text(_CACHED_LAYOUT_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert "rank 0: ValueError fr.distributed.all_reduce" in done.stdout, done.stdout + done.stderr
+    assert "rank 1: ValueError fr.distributed.all_reduce" in done.stdout, done.stdout + done.stderr

@@ -1,0 +1,231 @@
+"""Two gloo ranks that stay up and run distributed examples sent by the parent, one at a time.
+
+Spawning a rank costs seconds (it imports torch), so ``RankPool`` spawns the
+ranks once and Hypothesis sends each drawn example to them: every rank runs
+the same check on its share of the example and replies ``("ok", value)`` or
+``("raised", text)``. Bounded everywhere: the process group has a timeout, so
+a collective that one rank never joins raises instead of hanging; the parent
+waits for each reply with a deadline, notices dead ranks, and, once a rank
+fails to answer, marks the pool broken (later examples fail at once) and
+kills what is left. Payloads travel as ``torch.save`` bytes, so each rank
+works on copies and never on the parent's tensors.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from _property_support import Unchanged, refill
+from torch.nn.parallel import DistributedDataParallel
+
+import freplicate as fr
+from freplicate.testing import assert_trees_close
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+class RankPool:
+    """``WORLD`` spawned gloo ranks on 127.0.0.1, running one example at a time."""
+
+    def __init__(self, *, pg_timeout: float = 30.0, reply_timeout: float = 60.0) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.reply_timeout = reply_timeout
+        self.tasks = [ctx.Queue() for _ in range(WORLD)]
+        self.replies = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(rank, port, pg_timeout, self.tasks[rank], self.replies),
+                daemon=True,
+            )
+            for rank in range(WORLD)
+        ]
+        for p in self.procs:
+            p.start()
+        self.seq = 0
+        self.broken: str | None = None
+
+    def run(self, check: str, payload: Any) -> list[tuple[str, Any]]:
+        """Every rank's ``(status, value)`` for one example of ``check``."""
+        if self.broken is not None:
+            raise RuntimeError(f"the rank pool is broken: {self.broken}")
+        self.seq += 1
+        data = _dumps(payload)
+        for q in self.tasks:
+            q.put((self.seq, check, data))
+        got: dict[int, tuple[str, Any]] = {}
+        deadline = time.monotonic() + self.reply_timeout
+        while len(got) < WORLD:
+            try:
+                seq, rank, status, value = self.replies.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.broken = (
+                        f"rank(s) {dead} died" if dead else f"no reply in {self.reply_timeout}s"
+                    ) + f" during {check!r}"
+                    self.close()
+                    raise RuntimeError(f"the rank pool is broken: {self.broken}") from None
+                continue
+            if seq == self.seq:  # replies of an abandoned example are dropped
+                got[rank] = (status, value)
+        return [got[r] for r in range(WORLD)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def _rank_main(rank: int, port: int, pg_timeout: float, tasks: Any, replies: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=pg_timeout),
+    )
+    try:
+        while (task := tasks.get()) is not None:
+            seq, check, data = task
+            try:
+                replies.put((seq, rank, "ok", CHECKS[check](rank, _loads(data))))
+            except Exception as err:
+                text = f"{type(err).__name__}: {err}\n{traceback.format_exc()}"
+                replies.put((seq, rank, "raised", text))
+    finally:
+        dist.destroy_process_group()
+
+
+# --- the checks each rank runs; an AssertionError reports a difference
+
+
+def _loss(out: Any) -> torch.Tensor:
+    total = torch.zeros((), dtype=torch.float64)
+    for i, leaf in enumerate(optree.tree_leaves(out)):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            g = torch.Generator().manual_seed(i)
+            total = total + (leaf * torch.randn(leaf.shape, generator=g).to(leaf.dtype)).sum()
+    return total
+
+
+def _call(module: torch.nn.Module, inputs: Any) -> Any:
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(*inputs) if isinstance(inputs, tuple) else module(inputs)
+
+
+def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
+    """fr.distributed.grad_and_value (and all_reduce of local gradients) equal DDP's gradients."""
+    module, inputs, cap = p["module"], p["inputs"][rank], p["bucket_cap_mb"]
+    reference = copy.deepcopy(module)
+    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    ddp_loss = _loss(_call(ddp, inputs))
+    ddp_loss.backward()
+    want = {
+        name: q.grad if q.grad is not None else torch.zeros_like(q)
+        for name, q in reference.named_parameters()
+    }
+
+    s = fr.state(module)
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (_tuple(inputs), {})
+
+    def loss_fn(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.apply(module, fr.State(params, s.buffers), *args, **kwargs)
+        return _loss(out)
+
+    unchanged = Unchanged(s, inputs)
+    grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap)(s.params)
+    local, _ = fr.grad_and_value(loss_fn)(s.params)
+    reduced = fr.distributed.all_reduce(local, bucket_cap_mb=cap)
+    unchanged.check("fr.distributed.grad_and_value / all_reduce")
+    torch.testing.assert_close(value, ddp_loss.detach())
+    assert_trees_close(grads, want, rtol=1e-5, atol=1e-6)
+    assert_trees_close(reduced, want, rtol=1e-5, atol=1e-6)
+
+
+def _tuple(x: Any) -> tuple[Any, ...]:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def check_all_reduce(rank: int, p: dict[str, Any]) -> None:
+    """fr.distributed.all_reduce equals the leaf-wise sum / mean of every rank's tree."""
+    everyone = [refill(p["tree"], p["seed"] + r) for r in range(WORLD)]
+    mine = everyone[rank]
+    unchanged = Unchanged(mine)
+    out = fr.distributed.all_reduce(
+        mine, op=p["op"], bucket_cap_mb=p["bucket_cap_mb"], compress=p["compress"]
+    )
+    unchanged.check("fr.distributed.all_reduce")
+    inputs = {id(t) for t in optree.tree_leaves(mine) if isinstance(t, torch.Tensor)}
+    columns = zip(*(optree.tree_leaves(t) for t in everyone))
+    for x, column in zip(optree.tree_leaves(out), columns):
+        if not isinstance(column[rank], torch.Tensor):
+            assert x is column[rank]
+            continue
+        assert id(x) not in inputs, "a result must never be an input tensor"
+        # integer-valued leaves: sums (and halves, for the mean of two) are exact, compressed too
+        total = sum(c.double() for c in column)
+        expected = (total / WORLD if p["op"] == "mean" else total).to(x.dtype)
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+
+
+def check_broadcast(rank: int, p: dict[str, Any]) -> None:
+    """fr.distributed.broadcast gives every rank rank ``src``'s values."""
+    mine = refill(p["tree"], p["seed"] + rank)
+    unchanged = Unchanged(mine)
+    out = fr.distributed.broadcast(mine, src=p["src"])
+    unchanged.check("fr.distributed.broadcast")
+    assert_trees_close(out, refill(p["tree"], p["seed"] + p["src"]), rtol=0, atol=0)
+
+
+def check_mismatch(rank: int, p: dict[str, Any]) -> str:
+    """Trees that differ across ranks raise ValueError on every rank (never hang)."""
+    tree = p["trees"][rank]
+    try:
+        fr.distributed.all_reduce(tree, op="sum")
+    except ValueError as err:
+        return str(err)
+    raise AssertionError(f"rank {rank}: fr.distributed.all_reduce reduced mismatched trees")
+
+
+CHECKS: dict[str, Callable[[int, dict[str, Any]], Any]] = {
+    "grad_and_value": check_grad_and_value,
+    "all_reduce": check_all_reduce,
+    "broadcast": check_broadcast,
+    "mismatch": check_mismatch,
+}

@@ -1,0 +1,105 @@
+"""``fr.distributed`` on 2 gloo ranks equals DDP and the leaf-wise reductions it promises.
+
+The ranks are spawned once for this file (``RankPool``) and every drawn
+example is sent to both; each rank compares ``fr.distributed`` with
+``DistributedDataParallel`` (or with the reduction computed locally from
+every rank's known inputs) and replies. A handful of examples per property,
+as each one costs a few collectives; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import optree
+import pytest
+import torch
+from _property_ddp import WORLD, RankPool
+from _property_support import examples
+from hypothesis import given
+from hypothesis import strategies as st
+
+from freplicate.testing import modules, trees
+from freplicate.testing._strategies import FLOAT_DTYPES
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    pool = RankPool(pg_timeout=30.0, reply_timeout=60.0)
+    yield pool
+    pool.close()
+
+
+def _all_ok(replies: list[tuple[str, Any]]) -> list[Any]:
+    for rank, (status, value) in enumerate(replies):
+        assert status == "ok", f"rank {rank}: {value}"
+    return [value for _, value in replies]
+
+
+# DDP refuses a module without parameters (BatchNorm without affine): every kind but that
+DDP_KINDS = ["mlp", "conv", "tied", "buffers", "nested", "unused", "positional", "keywords"]
+CAPS = st.sampled_from([25.0, 1e-4])  # one bucket, or one leaf per bucket
+
+
+@examples(0.2)
+@given(modules(kinds=DDP_KINDS), CAPS, st.data())
+def test_grad_and_value_equals_ddp(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], cap: float, data: st.DataObject
+):
+    module, inputs = pair
+    per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
+    _all_ok(
+        ranks.run("grad_and_value", {"module": module, "inputs": per_rank, "bucket_cap_mb": cap})
+    )
+
+
+summable = trees(dtypes=(*FLOAT_DTYPES, torch.int64, torch.int32), max_leaves=5)
+
+
+@examples(0.2)
+@given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, st.sampled_from([None, "bf16", "fp16"]))
+def test_all_reduce_is_the_sum_or_mean_over_ranks(
+    ranks: RankPool, data: st.DataObject, op: str, cap: float, compress: str | None
+):
+    tree = data.draw(trees(dtypes=FLOAT_DTYPES, max_leaves=5) if op == "mean" else summable)
+    payload = {"tree": tree, "op": op, "bucket_cap_mb": cap, "compress": compress, "seed": 7}
+    _all_ok(ranks.run("all_reduce", payload))
+
+
+@examples(0.1)
+@given(trees(max_leaves=5), st.integers(0, WORLD - 1), st.integers(0, 2**16))
+def test_broadcast_gives_every_rank_the_source_values(
+    ranks: RankPool, tree: Any, src: int, seed: int
+):
+    _all_ok(ranks.run("broadcast", {"tree": tree, "src": src, "seed": seed}))
+
+
+_FRESH = itertools.count()
+
+
+@examples(0.1)
+@given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.data())
+def test_trees_that_differ_across_ranks_raise_on_every_rank(
+    ranks: RankPool, tree: Any, data: st.DataObject
+):
+    leaves, spec = optree.tree_flatten(tree)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    if not at:
+        return
+    i = data.draw(st.sampled_from(at), label="bent leaf")
+    bent = list(leaves)
+    bent[i] = torch.zeros(leaves[i].numel() + 1, dtype=leaves[i].dtype)  # another shape
+    # A layout new to both ranks: when one rank has reduced its layout before, fr.distributed
+    # skips the cross-rank check there and gloo aborts (xfail in tests/test_regressions.py);
+    # drop this fresh key once that is fixed.
+    fresh = f"example {next(_FRESH)}"
+    pair = [{fresh: tree}, {fresh: optree.tree_unflatten(spec, bent)}]
+    messages = _all_ok(ranks.run("mismatch", {"trees": pair}))
+    for message in messages:
+        assert message.startswith("fr.distributed.all_reduce")
