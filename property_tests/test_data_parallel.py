@@ -16,7 +16,7 @@ from typing import Any
 import optree
 import torch
 import torch.func
-from _property_support import Unchanged, examples
+from _property_support import Unchanged
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -32,7 +32,6 @@ def test_data_parallel_equals_the_stateful_oracle(
     check_against_stateful(module, data.draw(inputs, label="inputs"), devs)
 
 
-@examples(0.4)
 @given(modules(kinds=["batchnorm", "conv", "buffers"], training=True), devices(), st.data())
 def test_data_parallel_mean_buffers_average_the_replicas(
     pair: tuple[torch.nn.Module, Any], devs: list[str], data: st.DataObject
@@ -65,7 +64,6 @@ def _positional(x: Any) -> tuple[torch.Tensor, ...]:
 GRAD_KINDS = ["mlp", "conv", "batchnorm", "tied", "buffers", "nested", "unused", "positional"]
 
 
-@examples(0.6)
 @given(modules(kinds=GRAD_KINDS), devices(), st.sampled_from(["mean", "sum"]), st.data())
 def test_data_parallel_grad_reduces_the_per_shard_gradients(
     pair: tuple[torch.nn.Module, Any], devs: list[str], op: str, data: st.DataObject
@@ -89,7 +87,6 @@ def test_data_parallel_grad_reduces_the_per_shard_gradients(
     torch.testing.assert_close(loss, expected_loss.to(loss.dtype), rtol=1e-6, atol=1e-7)
 
 
-@examples(0.6)
 @given(
     modules(kinds=["mlp", "tied", "unused", "positional", "nested", "conv"], training=False),
     devices(),

@@ -47,7 +47,7 @@ DDP_KINDS = ["mlp", "conv", "tied", "buffers", "nested", "unused", "positional",
 CAPS = st.sampled_from([25.0, 1e-4])  # one bucket, or one leaf per bucket
 
 
-@examples(0.2)
+@examples(0.3)
 @given(modules(kinds=DDP_KINDS), CAPS, st.data())
 def test_grad_and_value_equals_ddp(
     ranks: RankPool, pair: tuple[torch.nn.Module, Any], cap: float, data: st.DataObject
@@ -62,7 +62,7 @@ def test_grad_and_value_equals_ddp(
 summable = trees(dtypes=(*FLOAT_DTYPES, torch.int64, torch.int32), max_leaves=5)
 
 
-@examples(0.2)
+@examples(0.3)
 @given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, st.sampled_from([None, "bf16", "fp16"]))
 def test_all_reduce_is_the_sum_or_mean_over_ranks(
     ranks: RankPool, data: st.DataObject, op: str, cap: float, compress: str | None
@@ -72,7 +72,7 @@ def test_all_reduce_is_the_sum_or_mean_over_ranks(
     _all_ok(ranks.run("all_reduce", payload))
 
 
-@examples(0.1)
+@examples(0.2)
 @given(trees(max_leaves=5), st.integers(0, WORLD - 1), st.integers(0, 2**16))
 def test_broadcast_gives_every_rank_the_source_values(
     ranks: RankPool, tree: Any, src: int, seed: int
@@ -83,7 +83,7 @@ def test_broadcast_gives_every_rank_the_source_values(
 _FRESH = itertools.count()
 
 
-@examples(0.1)
+@examples(0.2)
 @given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.data())
 def test_trees_that_differ_across_ranks_raise_on_every_rank(
     ranks: RankPool, tree: Any, data: st.DataObject

@@ -12,7 +12,7 @@ from typing import Any
 import optree
 import torch
 import torch.func
-from _property_support import Unchanged, examples, refill
+from _property_support import Unchanged, refill
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -64,7 +64,6 @@ def test_equals_torch_func_for_every_argnums(a: Any, b: Any, argnums: Any, seed:
     assert_trees_close(got, torch.func.grad_and_value(fn, argnums=argnums)(a, b, scale))
 
 
-@examples(0.6)
 @given(modules(dtypes=(torch.float32, torch.float64)), st.data())
 def test_equals_torch_func_through_fr_apply(pair: tuple[torch.nn.Module, Any], data: st.DataObject):
     module, inputs = pair
@@ -83,7 +82,6 @@ def test_equals_torch_func_through_fr_apply(pair: tuple[torch.nn.Module, Any], d
     assert_trees_close(got, torch.func.grad_and_value(loss, has_aux=True)(s.params))
 
 
-@examples(0.4)
 @given(params_trees, st.integers(1, 4), st.integers(0, 2**16))
 def test_composes_under_vmap(tree: Any, batch: int, seed: int):
     f = _objective(refill(tree, seed, integral=False), 2)

@@ -11,7 +11,7 @@ from typing import Any
 
 import optree
 import torch
-from _property_support import Unchanged, examples
+from _property_support import Unchanged
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +27,6 @@ def _split(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (x if isinstance(x, tuple) else (x,)), {}
 
 
-@examples(0.6)
 @given(modules(kinds=STATEFUL, training=True), devices(), st.data())
 def test_no_public_function_modifies_its_inputs(
     pair: tuple[torch.nn.Module, Any], devs: list[str], data: st.DataObject
