@@ -73,7 +73,7 @@ def _stateful_data_parallel_step(
         for name, b in module.named_buffers():
             b.copy_(dict(replicas[0].named_buffers())[name])
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -126,7 +126,7 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
             ref_loss = F.cross_entropy(dp(x), y)
             ref_loss.backward()
             opt.step()
-            ref = float(ref_loss)
+            ref = float(ref_loss.detach())
         else:
             ref = _stateful_data_parallel_step(stateful, opt, x, y, devices)
         dpar = _max_diff(params, dict(stateful.named_parameters()))
@@ -159,8 +159,8 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
         ref_loss.backward()
         opt.step()
         dpar = _max_diff(params, dict(stateful_mlp.named_parameters()))
-        ok &= dpar < tol and abs(float(loss) - float(ref_loss)) < tol
-        print(f"   {i:>4} {float(loss):>12.6f} {float(ref_loss):>16.6f} {dpar:>16.2e}")
+        ok &= dpar < tol and abs(float(loss) - float(ref_loss.detach())) < tol
+        print(f"   {i:>4} {float(loss):>12.6f} {float(ref_loss.detach()):>16.6f} {dpar:>16.2e}")
 
     print(
         "\n"
