@@ -77,7 +77,9 @@ def _stateful_data_parallel_step(
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max(float((a[k].double().cpu() - b[k].double().cpu()).abs().max()) for k in a)
+    return max(
+        float((a[k].detach().double().cpu() - b[k].detach().double().cpu()).abs().max()) for k in a
+    )
 
 
 def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) -> bool:
