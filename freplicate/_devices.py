@@ -15,6 +15,10 @@ DeviceSpec = int | str | torch.device
 
 __all__ = ["DeviceSpec", "as_device", "as_devices"]
 
+# str / torch.device specs already parsed to a CPU or meta device: those answers
+# never change, and parsing costs more than a same-device replicate itself.
+_HOST: dict[str | torch.device, torch.device] = {}
+
 
 def as_device(spec: DeviceSpec, *, fn: str, arg: str = "device") -> torch.device:
     """Parse and validate one device spec.
@@ -64,6 +68,8 @@ def as_device(spec: DeviceSpec, *, fn: str, arg: str = "device") -> torch.device
         # device, or a same-device leaf would be copied instead of shared
         if device.index is not None:
             device = torch.device(device.type)
+        if isinstance(spec, (str, torch.device)):
+            _HOST[spec] = device
     else:
         module = getattr(torch, device.type, None)
         is_available = getattr(module, "is_available", None)
@@ -90,4 +96,8 @@ def as_devices(specs: Sequence[DeviceSpec], *, fn: str, arg: str = "devices") ->
     specs = list(specs)
     if not specs:
         raise ValueError(f"{fn}: {arg} is empty; give at least one device")
-    return [as_device(s, fn=fn, arg=f"{arg}[{i}]") for i, s in enumerate(specs)]
+    out = []
+    for i, s in enumerate(specs):
+        host = _HOST.get(s) if isinstance(s, (str, torch.device)) else None
+        out.append(host if host is not None else as_device(s, fn=fn, arg=f"{arg}[{i}]"))
+    return out

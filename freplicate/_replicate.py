@@ -40,6 +40,8 @@ def replicate(tree: T, devices: Sequence[DeviceSpec], *, detach: bool = False) -
     tensors = [leaves[i] for i in unique]
     paths = _tree.LazyPaths(spec, unique)
     copies = _pack.broadcast_coalesced(tensors, devs, paths=paths, fn="fr.replicate", detach=detach)
+    if len(unique) == len(leaves):  # every leaf a distinct tensor: nothing to re-alias
+        return [_tree.unflatten(spec, moved) for moved in copies]
     out: list[Any] = []
     for moved in copies:
         new = [moved[s] if s >= 0 else leaf for leaf, s in zip(leaves, slot)]

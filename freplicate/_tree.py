@@ -9,6 +9,7 @@ error message: ``['layer1']['weight']``, ``[0].field``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import optree
@@ -79,6 +80,10 @@ def alias_groups(leaves: Sequence[Any]) -> tuple[list[int], list[int]]:
     >>> alias_groups([t, 3, t, torch.zeros(1)])
     ([0, 3], [0, -1, 0, 1])
     """
+    n = len(leaves)
+    if len(set(map(id, leaves))) == n and all(map(isinstance, leaves, repeat(torch.Tensor, n))):
+        # the common case (distinct tensors only), decided at C speed
+        return list(range(n)), list(range(n))
     seen: dict[int, int] = {}
     unique: list[int] = []
     slot: list[int] = []

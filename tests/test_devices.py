@@ -75,6 +75,18 @@ def test_cuda_specs() -> None:
         as_device(n, fn="f")
 
 
+def test_repeated_parsing_gives_the_same_answers() -> None:
+    # CPU / meta answers are cached; everything else is parsed and checked every time
+    for _ in range(2):
+        assert as_devices(["cpu:0", "meta", torch.device("cpu", 0)], fn="f") == [
+            torch.device("cpu"),
+            torch.device("meta"),
+            torch.device("cpu"),
+        ]
+        with pytest.raises(ValueError, match=r"^f: devices\[1\] is not a device: 'cpux'"):
+            as_devices(["cpu", "cpux"], fn="f")
+
+
 def test_as_devices_keeps_order_and_repeats() -> None:
     devs = as_devices(["cpu", torch.device("cpu"), "meta", "cpu:0"], fn="f")
     assert devs == [torch.device("cpu")] * 2 + [torch.device("meta"), torch.device("cpu")]

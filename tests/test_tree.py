@@ -7,6 +7,7 @@ from collections import OrderedDict, namedtuple
 import optree
 import pytest
 import torch
+from torch import nn
 
 import freplicate as fr
 from freplicate import _tree
@@ -61,6 +62,10 @@ def test_alias_groups() -> None:
     assert unique == [1, 3, 5]
     assert slot == [-1, 0, -1, 1, 0, 2, -1, 1]
     assert _tree.alias_groups([]) == ([], [])
+    # distinct tensors only (the fast path) and tensors only with an alias (the slow one)
+    a, b = torch.ones(1), nn.Parameter(torch.ones(1))
+    assert _tree.alias_groups([a, b, u]) == ([0, 1, 2], [0, 1, 2])
+    assert _tree.alias_groups([a, b, a]) == ([0, 1], [0, 1, 0])
     assert _tree.alias_groups([1, 2]) == ([], [-1, -1])
 
 
