@@ -640,11 +640,12 @@ def _reduce(
                 group, dev, paths=paths if every else [paths[k] for k in idx], fn=name
             )
         if op == "mean":
-            if any(s.requires_grad for s in sums):
-                sums = list(torch._foreach_div(sums, n))
-            else:
+            if maybe_current_level() is None and not any(s.requires_grad for s in sums):
                 # the sums are fresh buffers of ours, never an input: divide in place
                 torch._foreach_div_(sums, n)
+            else:
+                # autograd or a torch.func transform (foreach ops have no batching rules)
+                sums = [s / n for s in sums]
         for k, s in zip(idx, sums):
             out[k] = s
     return out

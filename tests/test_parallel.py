@@ -831,3 +831,22 @@ def test_all_reduce_and_data_parallel_grad_across_cpu_and_cuda() -> None:
     assert all(g.device.type == "cpu" for g in grads.values())
     assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(loss.cpu(), ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_data_parallel_grad_and_all_reduce_compose_with_vmap_and_grad() -> None:
+    # an ensemble of 3 parameter sets, each stepped data-parallel on the same batch
+    torch.manual_seed(4)
+    stacked = {"w1": torch.randn(3, 6, 4), "b1": torch.randn(3, 6), "w2": torch.randn(3, 3, 6)}
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    step = fr.data_parallel_grad(_mlp_loss, ["cpu", "cpu"])
+    grads, loss = torch.func.vmap(step, in_dims=(0, None, None))(stacked, x, y)
+    ref = torch.func.vmap(torch.func.grad_and_value(_mlp_loss), in_dims=(0, None, None))
+    ref_grads, ref_loss = ref(stacked, x, y)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss)
+
+    a, b = torch.randn(3, 2), torch.randn(3, 2)
+    mean = torch.func.vmap(lambda a, b: fr.all_reduce([{"x": a}, {"x": b}])[0]["x"])(a, b)
+    torch.testing.assert_close(mean, (a + b) / 2)
+    g = torch.func.grad(lambda a: (fr.all_reduce([{"x": a}, {"x": b}])[1]["x"] * 3).sum())(a)
+    torch.testing.assert_close(g, torch.full((3, 2), 1.5))
