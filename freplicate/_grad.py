@@ -6,9 +6,10 @@ dominates on models of hundreds of small tensors. Outside any ``torch.func``
 transform the same gradients come from one ``torch.autograd.grad`` call over
 fresh detached leaves (the caller's tensors are never touched), with zeros
 for leaves that do not reach the output. Under a transform (``vmap``,
-``grad``, ``jvp`` ...) or when some input already carries an autograd graph,
-it defers to ``torch.func.grad_and_value`` itself, so it composes exactly as
-that does.
+``grad``, ``jvp`` ...), under ``torch.inference_mode`` (where autograd records
+nothing), for inference tensors, or when some input already carries an
+autograd graph, it defers to ``torch.func.grad_and_value`` itself, so it
+composes exactly as that does.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def grad_and_value(
     reference = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)
 
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if maybe_current_level() is not None:
+        if maybe_current_level() is not None or torch.is_inference_mode_enabled():
+            # under inference_mode autograd records nothing, even with enable_grad:
+            # torch.func still differentiates there
             return reference(*args, **kwargs)
         nums = (argnums,) if isinstance(argnums, int) else argnums
         for n in nums:
@@ -70,7 +73,12 @@ def grad_and_value(
                         f"fr.grad_and_value: expected only tensors in args[{n}], "
                         f"got a leaf of type {type(leaf).__name__}"
                     )
-                fresh.append(leaf.detach().requires_grad_(True))
+                try:
+                    fresh.append(leaf.detach().requires_grad_(True))
+                except RuntimeError:
+                    if leaf.is_inference():  # made under inference_mode: torch.func copes
+                        return reference(*args, **kwargs)
+                    raise
             diff_leaves.extend(fresh)
             specs.append((spec, len(fresh)))
             new_args[n] = optree.tree_unflatten(spec, fresh)

@@ -266,3 +266,22 @@ def test_bad_argnums_and_leaves() -> None:
         match=r"^fr\.grad_and_value: expected only tensors in args\[0\], got a leaf of type int$",
     ):
         fr.grad_and_value(lambda t: t["a"].sum())({"a": torch.ones(1), "n": 3})
+
+
+def test_under_inference_mode_and_with_inference_tensors() -> None:
+    # regression: inside inference_mode autograd records nothing even under enable_grad,
+    # so the fast path returned zero gradients where torch.func returns the true ones;
+    # and an inference tensor cannot be made to require grad outside inference_mode
+    def f(w: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return (w * w * c).sum()
+
+    c = torch.tensor([1.0, 2.0, 3.0])
+    w = torch.tensor([1.0, -1.0, 0.5])
+    with torch.inference_mode():
+        got = fr.grad_and_value(f)(w, c)
+        expected = torch.func.grad_and_value(f)(w, c)
+        w_inf = w.clone()
+    assert_same(got, expected, exact=True)
+    assert torch.equal(got[0], 2 * w * c)
+    assert w_inf.is_inference()
+    assert_same(fr.grad_and_value(f)(w_inf, c), torch.func.grad_and_value(f)(w_inf, c), exact=True)
