@@ -850,3 +850,17 @@ def test_data_parallel_grad_and_all_reduce_compose_with_vmap_and_grad() -> None:
     torch.testing.assert_close(mean, (a + b) / 2)
     g = torch.func.grad(lambda a: (fr.all_reduce([{"x": a}, {"x": b}])[1]["x"] * 3).sum())(a)
     torch.testing.assert_close(g, torch.full((3, 2), 1.5))
+
+
+def test_data_parallel_under_vmap_runs_an_ensemble() -> None:
+    torch.manual_seed(5)
+    template = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2))
+    members = [nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)) for _ in range(3)]
+    params, _ = torch.func.stack_module_state(members)  # type: ignore[arg-type]
+    x = torch.randn(6, 4)
+
+    def run(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return fr.data_parallel(template, fr.State(p, {}), x, devices=["cpu", "cpu"])[0]
+
+    out = torch.func.vmap(run)(params)
+    torch.testing.assert_close(out, torch.stack([mm(x) for mm in members]).detach())
