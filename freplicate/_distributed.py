@@ -7,10 +7,12 @@ CPU, NCCL on CUDA). A tree's layout (structure, shapes, dtypes, aliasing and
 the call's options) is turned once into a *plan*: tensors grouped per
 (device, dtype) with the core engine (``_pack``), in DDP's order (reverse of
 the leaves, the order gradients become ready), cut into buckets of at most
-``bucket_cap_mb``, each with a flat communication buffer that the plan keeps
-and reuses across calls. That buffer is never handed out: results are fresh
-tensors written by one ``torch._foreach_*`` op per bucket, so two calls'
-results never alias and no call pays a large allocation for communication.
+``bucket_cap_mb``. Each bucket packs into a flat buffer taken from a small
+pool (``_pack.FlatPool``), is reduced there in place, and comes back as
+views of it; the pool hands a buffer out again only once no view of it is
+alive, so results of successive calls never alias, and a training loop
+reuses two or three buffers instead of paying a large allocation (page
+faults) every step.
 A plan is checked across ranks once, by one small collective (a fingerprint
 all-reduced with MAX), so trees that differ raise ``ValueError`` on every rank
 instead of hanging or reducing garbage.
@@ -19,9 +21,9 @@ instead of hanging or reducing garbage.
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 
 from ._grad import grad_and_value as _local_grad_and_value
-from ._pack import Layout, buckets, check_packable, group_by, layout_of, unpack
+from ._pack import FlatPool, buckets, check_packable, group_by
 from ._tree import LazyPaths, first_difference, paths_of
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
@@ -49,24 +51,32 @@ def _world(group: Any) -> int:
 
 
 class _Bucket:
-    """One flat communication buffer: which tensors it holds, and the buffer itself."""
+    """One bucket of a plan: which tensors it holds, and its reusable flat buffers.
 
-    __slots__ = ("buf", "comm_dtype", "layout", "members", "views")
+    ``results`` holds buffers in the leaves' dtype, reduced in place and
+    handed out as views (reused once those views are gone); ``comm``, only
+    where the bucket travels in another dtype (compression, booleans), is
+    the plan's private buffer in that dtype.
+    """
 
-    def __init__(self, members: list[int], layout: Layout, comm_dtype: torch.dtype) -> None:
+    __slots__ = ("comm", "comm_dtype", "dtype", "members", "pick", "results")
+
+    def __init__(
+        self, members: list[int], tensors: Sequence[torch.Tensor], comm_dtype: torch.dtype
+    ) -> None:
         self.members = members
-        self.layout = layout
+        # picks this bucket's tensors, in order, out of a list in the plan's tensor order
+        self.pick = _picker(members)
+        first = tensors[0]
+        self.dtype = first.dtype
         self.comm_dtype = comm_dtype
-        self.buf: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []
-
-    def buffer(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The plan's own flat buffer and its per-tensor views, allocated on first use."""
-        if self.buf is None:
-            lay = self.layout
-            self.buf = torch.empty(lay.numel, dtype=self.comm_dtype, device=lay.device)
-            self.views = unpack(self.buf, lay._replace(dtype=self.comm_dtype))
-        return self.buf, self.views
+        shapes = [t.shape for t in tensors]
+        self.results = FlatPool(shapes, first.dtype, first.device)
+        self.comm = (
+            FlatPool(shapes, comm_dtype, first.device, keep=1)
+            if comm_dtype != first.dtype
+            else None
+        )
 
 
 class _Plan:
@@ -112,12 +122,15 @@ class _Plan:
                 comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
             numels = [tensors[k].numel() for k in members]
             for run in buckets(numels, comm.itemsize, cap_bytes):
-                ids = [members[r] for r in run]
-                self.buckets.append(_Bucket(ids, layout_of([tensors[k] for k in ids]), comm))
-        self.owner = [0] * len(tensors)  # bucket index of each unique tensor
-        for b, bucket in enumerate(self.buckets):
-            for k in bucket.members:
-                self.owner[k] = b
+                # equal shapes side by side: one stack packs them, one unbind views them back
+                by_shape = group_by([tensors[members[r]] for r in run], lambda t: t.shape)
+                ids = [members[run[p]] for same in by_shape.values() for p in same]
+                self.buckets.append(_Bucket(ids, [tensors[k] for k in ids], comm))
+        # results come out bucket by bucket; this puts them back in the order of the tensors
+        where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
+        inverse = [where[k] for k in range(len(tensors))]
+        self.reorder = _picker(inverse)
+        self.bare = slot is None and len(unique) == len(leaves)  # only tensors, no aliasing
         sig = [(tuple(t.shape), str(t.dtype), t.device.type) for t in tensors]
         self.description = (str(spec), sig, slot, options)
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
@@ -143,6 +156,15 @@ class _Plan:
         everyone: list[Any] = [None] * _world(group)
         dist.all_gather_object(everyone, mine, group=group)
         raise ValueError(f"{fn}: {_mismatch(everyone, self.spec)}")
+
+
+def _picker(idx: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
+    if not idx:
+        return lambda seq: []
+    get = operator.itemgetter(*idx)
+    if len(idx) == 1:
+        return lambda seq: [get(seq)]
+    return lambda seq: list(get(seq))
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -198,7 +220,8 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
     return "the tree layout differs across ranks"  # pragma: no cover
 
 
-_PLANS: OrderedDict[Any, _Plan] = OrderedDict()
+_PLANS: dict[Any, _Plan] = {}
+_SIG = operator.attrgetter("shape", "dtype", "device")
 _PLANS_LOCK = threading.Lock()
 
 
@@ -207,14 +230,18 @@ def _plan_for(
 ) -> tuple[_Plan, list[Any]]:
     """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
     leaves, spec = optree.tree_flatten(tree)
-    ids = [id(x) for x in leaves]
+    options = (fn, op, cap_mb, compress, src)
     slot: list[int] | None = None
     unique: list[int]
-    if len(set(ids)) == len(ids):
-        unique = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        sig = tuple([(x.shape, x.dtype, x.device) for x in [leaves[i] for i in unique]])
-        key: tuple[Any, ...] = (spec, sig, tuple(unique))
-    else:  # some leaf object repeats (tied weights): reduce it once, re-alias after
+    kinds = set(map(type, leaves))
+    if all(issubclass(k, torch.Tensor) for k in kinds) and len(set(map(id, leaves))) == len(leaves):
+        # the common case (a tree of distinct tensors): a key built at C speed
+        key: tuple[Any, ...] = (spec, tuple(map(_SIG, leaves)), options)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan, leaves
+        unique = list(range(len(leaves)))
+    else:  # non-tensor leaves, or a tensor at several positions (tied weights)
         unique, slot = [], []
         seen: dict[int, int] = {}
         for i, x in enumerate(leaves):
@@ -225,14 +252,9 @@ def _plan_for(
                 slot.append(pos)
             else:
                 slot.append(-1)
-        sig = tuple([(x.shape, x.dtype, x.device) for x in [leaves[i] for i in unique]])
-        key = (spec, sig, tuple(slot))
-    options = (fn, op, cap_mb, compress, src)
-    key = (*key, options)
-    with _PLANS_LOCK:
+        key = (spec, tuple(_SIG(leaves[i]) for i in unique), tuple(slot), options)
         plan = _PLANS.get(key)
         if plan is not None:
-            _PLANS.move_to_end(key)
             return plan, leaves
     if cap_mb <= 0:
         raise ValueError(f"{fn}: bucket_cap_mb must be positive, got {cap_mb}")
@@ -250,12 +272,14 @@ def _plan_for(
     with _PLANS_LOCK:
         _PLANS[key] = plan
         while len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
+            del _PLANS[next(iter(_PLANS))]  # the oldest layout
     return plan, leaves
 
 
-def _rebuild(plan: _Plan, leaves: list[Any], results: list[torch.Tensor]) -> Any:
+def _rebuild(plan: _Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> Any:
     """The tree of ``results`` (one per unique tensor), non-tensor leaves passed through."""
+    if plan.bare:
+        return optree.tree_unflatten(plan.spec, results)
     out = list(leaves)
     if plan.slot is None:
         for i, r in zip(plan.unique, results):
@@ -277,7 +301,7 @@ def _check_args(fn: str, op: str, compress: str | None) -> None:
 class _Reduction:
     """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
 
-    __slots__ = ("group", "launched", "op", "plan", "works", "world")
+    __slots__ = ("group", "launched", "op", "pending", "plan", "world")
 
     def __init__(self, plan: _Plan, op: str, group: Any, world: int) -> None:
         self.plan = plan
@@ -285,43 +309,42 @@ class _Reduction:
         self.group = group
         self.world = world
         self.launched = 0
-        self.works: list[Any] = []
+        self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
     def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
         """Pack bucket ``b`` from ``tensors`` (its members, in order) and start its all-reduce."""
         bucket = self.plan.buckets[b]
-        buf, views = bucket.buffer()
-        torch._foreach_copy_(views, list(tensors))
-        if bucket.comm_dtype == torch.uint8:
-            red = dist.ReduceOp.MAX
+        res, runs = bucket.results.take()
+        red = dist.ReduceOp.SUM
+        if bucket.comm is None:
+            comm = res
+            bucket.results.pack(runs, tensors)
         else:
-            red = dist.ReduceOp.SUM
-            if self.op == "mean" and bucket.comm_dtype != bucket.layout.dtype:
-                buf.div_(self.world)  # before the sum, as DDP's compression hooks: no overflow
-        self.works.append(dist.all_reduce(buf, op=red, group=self.group, async_op=True))
+            comm, comm_runs = bucket.comm.take()
+            bucket.comm.pack(comm_runs, tensors)
+            if bucket.comm_dtype == torch.uint8:
+                red = dist.ReduceOp.MAX  # booleans: a logical or
+            elif self.op == "mean":
+                comm.div_(self.world)  # before the sum, as DDP's compression hooks: no overflow
+        work = dist.all_reduce(comm, op=red, group=self.group, async_op=True)
+        self.pending.append((runs, comm, res, work))
         self.launched += 1
 
-    def finish(self) -> list[torch.Tensor]:
-        """Wait for every bucket; fresh result tensors, one per unique tensor of the plan."""
-        for w in self.works:
-            w.wait()
-        return _results(self.plan, self.op, self.world)
+    def finish(self) -> Sequence[torch.Tensor]:
+        """Wait for every bucket; the results, one per unique tensor of the plan.
 
-
-def _results(plan: _Plan, op: str, world: int) -> list[torch.Tensor]:
-    """Fresh tensors from the plan's buffers (never views of them: they are reused next call)."""
-    results: list[torch.Tensor] = [None] * len(plan.unique)  # type: ignore[list-item]
-    for bucket in plan.buckets:
-        outs: Sequence[torch.Tensor]
-        if bucket.comm_dtype != bucket.layout.dtype:
-            outs = unpack(bucket.buf.to(bucket.layout.dtype), bucket.layout)  # type: ignore[union-attr]
-        elif op == "mean":
-            outs = torch._foreach_div(bucket.views, world)
-        else:
-            outs = torch._foreach_mul(bucket.views, 1)
-        for k, o in zip(bucket.members, outs):
-            results[k] = o
-    return results
+        They are views of the buckets' result buffers; the pools reuse a
+        buffer only once all of its views are gone.
+        """
+        views: list[torch.Tensor] = []
+        for runs, comm, res, work in self.pending:
+            work.wait()
+            if comm is not res:
+                res.copy_(comm)
+            elif self.op == "mean":
+                res.div_(self.world)
+            views += FlatPool.views(runs)
+        return self.plan.reorder(views)
 
 
 def all_reduce(
@@ -370,8 +393,9 @@ def all_reduce(
         if check:
             plan.check(tree, group, fn)
         red = _Reduction(plan, op, group, world)
+        tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
         for b, bucket in enumerate(plan.buckets):
-            red.launch(b, [leaves[plan.unique[k]] for k in bucket.members])
+            red.launch(b, bucket.pick(tensors))
         results = red.finish()
     return _rebuild(plan, leaves, results)
 
@@ -405,18 +429,19 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
     with plan.lock:
         if check:
             plan.check(tree, group, fn)
-        works = []
+        pending = []
+        tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
         for bucket in plan.buckets:
-            buf, views = bucket.buffer()
+            flat, runs = bucket.results.take()
             if root:
-                torch._foreach_copy_(views, [leaves[plan.unique[k]] for k in bucket.members])
-            works.append(dist.broadcast(buf, src=src, group=group, async_op=True))
-        for w in works:
-            w.wait()
-        if root:
-            return tree
-        results = _results(plan, "sum", 1)
-    return _rebuild(plan, leaves, results)
+                bucket.results.pack(runs, bucket.pick(tensors))
+            pending.append((runs, dist.broadcast(flat, src=src, group=group, async_op=True)))
+        views: list[torch.Tensor] = []
+        for runs, work in pending:
+            work.wait()
+            if not root:
+                views += FlatPool.views(runs)
+    return tree if root else _rebuild(plan, leaves, plan.reorder(views))
 
 
 def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Any = None) -> Any:
@@ -595,7 +620,7 @@ def _overlapped(
             h.remove()
     # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
     for b in range(red.launched, nb):
-        red.launch(b, [grads[k] for k in plan.buckets[b].members])
+        red.launch(b, plan.buckets[b].pick(grads))
     results = red.finish()
     value = value.detach()
     if has_aux:

@@ -254,65 +254,96 @@ def reduce_add_coalesced(
 # place, and handing its views out as results is the cheapest way back to a
 # tree; a fresh buffer per call costs page faults on large trees. A pool
 # reuses a buffer only once no tensor outside the pool shares its storage.
+# Consecutive tensors of one shape form a *run*, packed by one ``torch.stack``
+# and viewed back by one ``unbind``: a few C++ calls for hundreds of tensors.
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
+def runs_of(shapes: Sequence[torch.Size]) -> list[tuple[torch.Size, int]]:
+    """``(shape, count)`` for each run of consecutive equal shapes.
+
+    >>> runs_of([torch.Size([2]), torch.Size([2]), torch.Size([3, 1])])
+    [(torch.Size([2]), 2), (torch.Size([3, 1]), 1)]
+    """
+    out: list[tuple[torch.Size, int]] = []
+    for s in shapes:
+        if out and out[-1][0] == s:
+            out[-1] = (s, out[-1][1] + 1)
+        else:
+            out.append((s, 1))
+    return out
+
+
 class FlatPool:
-    """Flat buffers for one layout, each reused only when nothing outside the pool holds it.
+    """Flat buffers for one list of shapes, each reused only when nothing outside the pool holds it.
 
-    ``take()`` returns ``(flat, views)``: ``views`` are the pool's own views
-    of ``flat``, shaped as the layout (to pack into with
-    ``torch._foreach_copy_``). Fresh views made by ``pool.views(flat)`` and
-    handed out as results keep that buffer out of use until they, and every
-    view or autograd record made from them, are gone; then a later
-    ``take()`` hands it out again. At most ``keep`` buffers are kept; when
-    all are busy a fresh, unkept one is returned.
+    ``take()`` returns ``(flat, runs)``: ``runs`` are the pool's own views
+    of ``flat``, one ``(count, *shape)`` view per run of equal shapes.
+    ``pack(runs, tensors)`` copies ``tensors`` in (casting to the pool's
+    dtype); ``views(runs)`` makes fresh per-tensor views to hand out as
+    results. Those keep their buffer out of use until they, and every view
+    or autograd record made from them, are gone; then a later ``take()``
+    hands it out again. At most ``keep`` buffers are kept; when all are busy
+    a fresh, unkept one is returned.
 
-    >>> pool = FlatPool(layout_of([torch.ones(2, 1), torch.ones(3)]), torch.float32)
-    >>> a, _ = pool.take()
-    >>> result = pool.views(a)  # handed out: a is busy
-    >>> [v.shape for v in result]
-    [torch.Size([2, 1]), torch.Size([3])]
-    >>> b, _ = pool.take()
-    >>> b.data_ptr() != a.data_ptr()
+    >>> pool = FlatPool([torch.Size([2]), torch.Size([2]), torch.Size([])], torch.float32, "cpu")
+    >>> a, runs = pool.take()
+    >>> pool.pack(runs, [torch.ones(2), torch.zeros(2), torch.tensor(5.0)])
+    >>> result = pool.views(runs)  # handed out: a is busy
+    >>> result
+    [tensor([1., 1.]), tensor([0., 0.]), tensor(5.)]
+    >>> pool.take()[0].data_ptr() != a.data_ptr()
     True
     >>> del result
     >>> pool.take()[0].data_ptr() == a.data_ptr()
     True
     """
 
-    def __init__(self, layout: Layout, dtype: torch.dtype, *, keep: int = 3) -> None:
-        self.layout = layout._replace(dtype=dtype)
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        *,
+        keep: int = 3,
+    ) -> None:
+        self.runs = runs_of(shapes)
+        self.numel = sum(s.numel() * k for s, k in self.runs)
+        self.dtype = dtype
+        self.device = torch.device(device)
         self.keep = keep if _storage_use_count is not None else 0
         self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
-        self.specs = []
-        offset = 0
-        for shape, n in zip(layout.shapes, layout.numels):
-            strides = torch._prims_common.make_contiguous_strides_for(shape)
-            self.specs.append((shape, strides, offset))
-            offset += n
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Fresh views of ``flat`` (a buffer of this pool) shaped as the layout.
-
-        The same as ``unpack(flat, layout)``, in fewer steps: one
-        ``as_strided`` per tensor.
-        """
-        view = flat.as_strided
-        return [view(shape, strides, offset) for shape, strides, offset in self.specs]
 
     @staticmethod
     def _uses(flat: torch.Tensor) -> int:
         return _storage_use_count(flat.untyped_storage()._cdata)  # type: ignore[misc]
 
     def take(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        for flat, views, idle in self.entries:
+        for flat, runs, idle in self.entries:
             if self._uses(flat) == idle:
-                return flat, views
-        lay = self.layout
-        flat = torch.empty(lay.numel, dtype=lay.dtype, device=lay.device)
-        views = self.views(flat)
+                return flat, runs
+        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        runs, offset = [], 0
+        for shape, count in self.runs:
+            n = shape.numel() * count
+            runs.append(flat[offset : offset + n].view(count, *shape))
+            offset += n
         if len(self.entries) < self.keep:
-            self.entries.append((flat, views, self._uses(flat)))
-        return flat, views
+            self.entries.append((flat, runs, self._uses(flat)))
+        return flat, runs
+
+    def pack(self, runs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
+        """Copy ``tensors`` (shaped as the pool's list) into the buffer of ``runs``."""
+        start = 0
+        with torch.no_grad():
+            for run, (_, count) in zip(runs, self.runs):
+                torch.stack(list(tensors[start : start + count]), out=run)
+                start += count
+
+    @staticmethod
+    def views(runs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Fresh views of the buffer of ``runs``, one per tensor, in order."""
+        if len(runs) == 1:
+            return list(runs[0].unbind(0))
+        return [v for run in runs for v in run.unbind(0)]

@@ -1,0 +1,255 @@
+"""fr.distributed against DistributedDataParallel and composable replicate, on 2 gloo ranks.
+
+Run ``.venv/bin/python -m benchmarks.bench_distributed`` (``--quick`` for a
+short run). Two ranks are spawned on 127.0.0.1, one thread each. Every round
+runs every side for a few steps, the sides in an order rotated round by
+round (the same order on both ranks: they are collective); a step's time is
+the slowest rank's (per-step times all-reduced with MAX after the round);
+each side's time in a round is its median step, and the figure is the
+median over rounds of the per-round ratio to the baseline (DDP, or one flat
+``dist.all_reduce``). Before timing, every side trains a few steps from the
+same init and must reach the same parameters as DDP.
+
+Sides of the training step (SGD, lr 0.01, ``F.cross_entropy``):
+
+- ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (foreach);
+- ``replicate``: composable ``replicate`` + the same optimiser;
+- ``fr``: ``fr.distributed.grad_and_value`` over ``fr.apply``, out-of-place
+  update ``torch._foreach_add(params, grads, alpha=-lr)``;
+- ``naive``: the straightforward functional step (the "before" of issue 6):
+  ``fr.grad_and_value``, then one fresh flat buffer (``torch.cat``), one
+  blocking ``dist.all_reduce``, split back, divided by the world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import freplicate as fr
+
+from ._common import MODELS, build
+
+LR = 0.01
+TARGETS = {"many_small": 0.85, "small_mlp": 1.00, "mid_mlp": 1.00}
+
+
+def _fr_side(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    s = fr.state(model)
+    names = list(s.params)
+    params = [p.clone() for p in s.params.values()]
+    buffers = s.buffers
+
+    def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.apply(model, fr.State(p, buffers), x)
+        return F.cross_entropy(out, y)
+
+    grad_fn = fr.distributed.grad_and_value(loss_fn)
+
+    def step() -> Any:
+        nonlocal params
+        grads, _ = grad_fn(dict(zip(names, params)))
+        params = torch._foreach_add(params, list(grads.values()), alpha=-LR)
+        return dict(zip(names, params))
+
+    return step
+
+
+def _naive_side(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    s = fr.state(model)
+    names = list(s.params)
+    params = [p.clone() for p in s.params.values()]
+    buffers = s.buffers
+    world = dist.get_world_size()
+
+    def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.apply(model, fr.State(p, buffers), x)
+        return F.cross_entropy(out, y)
+
+    grad_fn = fr.grad_and_value(loss_fn)
+
+    def step() -> Any:
+        nonlocal params
+        grads, _ = grad_fn(dict(zip(names, params)))
+        g = list(grads.values())
+        flat = torch.cat([t.reshape(-1) for t in g])
+        dist.all_reduce(flat)
+        flat /= world
+        reduced = [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in g]), g)]
+        params = torch._foreach_add(params, reduced, alpha=-LR)
+        return dict(zip(names, params))
+
+    return step
+
+
+def _stateful_side(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str
+) -> Callable[[], Any]:
+    import copy
+
+    from torch.distributed._composable import replicate
+    from torch.nn.parallel import DistributedDataParallel
+
+    own = copy.deepcopy(model)
+    if kind == "ddp":
+        wrapped: torch.nn.Module = DistributedDataParallel(own)
+    else:
+        wrapped = replicate(own)
+    opt = torch.optim.SGD(own.parameters(), lr=LR, foreach=True)
+
+    def step() -> Any:
+        opt.zero_grad()
+        F.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        return {k: p.detach() for k, p in own.named_parameters()}
+
+    return step
+
+
+def _round_times(fn: Callable[[], Any], steps: int) -> float:
+    """The median over ``steps`` of the slowest rank's step time."""
+    times = torch.zeros(steps, dtype=torch.float64)
+    for i in range(steps):
+        start = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - start
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(times.median())
+
+
+def _ratios(sides: list[Callable[[], Any]], rounds: int, steps: int) -> list[float]:
+    for fn in sides:  # warm-up: plans, buffers, allocator, gloo pairs
+        for _ in range(2):
+            fn()
+    per: list[list[float]] = [[] for _ in sides]
+    n = len(sides)
+    for r in range(rounds):
+        t = [0.0] * n
+        for k in range(n):
+            i = (r + k) % n
+            t[i] = _round_times(sides[i], steps)
+        for i in range(n):
+            per[i].append(t[i] / t[0])
+    return [statistics.median(v) for v in per]
+
+
+def _agree(sides: dict[str, Callable[[], Any]], steps: int = 3) -> float:
+    """Largest parameter difference to DDP after ``steps`` steps from the same init."""
+    finals = {}
+    for name, fn in sides.items():
+        for _ in range(steps):
+            out = fn()
+        finals[name] = out
+    ref = finals["ddp"]
+    worst = 0.0
+    for params in finals.values():
+        for k, v in params.items():
+            worst = max(worst, float((v - ref[k]).abs().max()))
+    return worst
+
+
+def _bench_step(name: str, rounds: int, steps: int) -> list[float]:
+    model, x, y = build(name)
+    # fresh sides for the agreement check (they train), then fresh ones to time
+    check = {
+        "ddp": _stateful_side(model, x, y, "ddp"),
+        "replicate": _stateful_side(model, x, y, "replicate"),
+        "fr": _fr_side(model, x, y),
+        "naive": _naive_side(model, x, y),
+    }
+    worst = _agree(check)
+    if worst > 1e-4:
+        raise AssertionError(f"{name}: the sides disagree with DDP by {worst:.2e}")
+    del check
+    sides = [
+        _stateful_side(model, x, y, "ddp"),
+        _stateful_side(model, x, y, "replicate"),
+        _fr_side(model, x, y),
+        _naive_side(model, x, y),
+    ]
+    return _ratios(sides, rounds, steps)
+
+
+def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
+    model, _, _ = build("many_small")
+    tree = {k: v.clone() for k, v in fr.state(model).params.items()}
+    flat = torch.cat([t.reshape(-1) for t in tree.values()])
+    reduced = fr.distributed.all_reduce(tree, op="sum")
+    ref = flat.clone()
+    dist.all_reduce(ref)
+    if not torch.equal(torch.cat([reduced[k].reshape(-1) for k in tree]), ref):
+        raise AssertionError("fr.distributed.all_reduce disagrees with dist.all_reduce")
+    return _ratios(
+        [
+            lambda: dist.all_reduce(flat),
+            lambda: fr.distributed.all_reduce(tree),
+            lambda: fr.distributed.all_reduce(tree, check=False),
+        ],
+        rounds,
+        steps,
+    )
+
+
+def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    rows = {}
+    rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
+    for name in args.models:
+        rows[name] = _bench_step(name, args.rounds, args.steps)
+    if rank == 0:
+        out.put(rows)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args()
+    args.rounds = args.rounds or (4 if args.quick else 15)
+    args.steps = args.steps or (2 if args.quick else 3)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(r, port, args, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    rows = out.get()
+    for p in procs:
+        p.join()
+    print(
+        f"2 gloo ranks on 127.0.0.1, 1 thread each, torch {torch.__version__}; "
+        f"{args.rounds} rounds x {args.steps} steps; median ratios (lower is better)"
+    )
+    print(f"{'SGD step / DDP step':<24}{'replicate':>11}{'fr':>8}{'naive':>8}{'target(fr)':>12}")
+    for name in args.models:
+        _, rep, frr, naive = rows[name]
+        print(f"{name:<24}{rep:>11.3f}{frr:>8.3f}{naive:>8.3f}{TARGETS[name]:>12.2f}")
+    _, ar, ar_nocheck = rows["all_reduce"]
+    print(
+        f"fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce: {ar:.3f} "
+        f"(check=False: {ar_nocheck:.3f}); target 1.10"
+    )
+
+
+if __name__ == "__main__":
+    main()
