@@ -200,6 +200,37 @@ def reduce_mean_twice(rank: int) -> dict[str, Any]:
 
 
 @scenario
+def reduce_reuse(rank: int) -> dict[str, Any]:
+    """Six calls, every other result kept: buffers are reused, kept results stay right."""
+    base = {k: v for k, v in floats_of(rank).items() if k in ("w", "b")}
+    exp = {k: v for k, v in expected_reduce("mean").items() if k in ("w", "b")}
+    kept, ptrs, fresh_ok = [], [], True
+    for i in range(6):
+        r = fr.distributed.all_reduce(fr._tree.map_tensors(lambda x, i=i: x * (i + 1), base))
+        want = fr._tree.map_tensors(lambda x, i=i: x * (i + 1), exp)
+        fresh_ok &= all(torch.allclose(r[k], want[k]) for k in r)
+        ptrs.append(r["w"].data_ptr())
+        if i % 2 == 0:
+            kept.append((r, want))
+    # a result that autograd saved keeps its buffer busy, even with no Python name left
+    x = torch.ones(4, 5, requires_grad=True)
+    r = fr.distributed.all_reduce(base)
+    y = (x * r["w"]).sum()
+    saved = r["w"].data_ptr()
+    del r
+    others = [fr.distributed.all_reduce(base)["w"].data_ptr() for _ in range(3)]
+    y.backward()  # would raise if the saved tensor had been overwritten in place
+    return {
+        "kept": kept,
+        "fresh_ok": fresh_ok,
+        "distinct": len(set(ptrs)),
+        "saved_reused": saved in others,
+        "grad": x.grad,
+        "exp_w": exp["w"],
+    }
+
+
+@scenario
 def reduce_small_buckets(rank: int) -> dict[str, Any]:
     tree = floats_of(rank)
     return {

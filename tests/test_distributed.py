@@ -74,6 +74,16 @@ def test_all_reduce_mean_results_survive_the_next_call(job):
         assert r["unchanged"]
 
 
+def test_all_reduce_reuses_buffers_without_aliasing(job):
+    for r in ok(job, "reduce_reuse"):
+        assert r["fresh_ok"]
+        for got, want in r["kept"]:
+            close(got, want)
+        assert r["distinct"] < 6, "the pool should reuse buffers whose results were dropped"
+        assert not r["saved_reused"], "a buffer saved by autograd must not be reused"
+        torch.testing.assert_close(r["grad"], r["exp_w"])
+
+
 def test_all_reduce_tiny_buckets_equal(job):
     for r in ok(job, "reduce_small_buckets"):
         close(r["tiny"], r["default"], rtol=0, atol=0)
