@@ -545,3 +545,29 @@ def test_the_same_check_catches_functional_call() -> None:
         return torch.func.functional_call(m, {**s.params, **bufs}, (x,)), None
 
     assert hammer(call)[0] > 0
+
+
+def test_tensorless_modules_run_as_themselves() -> None:
+    # modules with no tensor below them need no skeleton copy: the root itself here
+    x = torch.randn(3, 4)
+    relu = nn.ReLU()
+    out, new = fr.apply(relu, fr.State({}, {}), x)
+    assert torch.equal(out, x.relu()) and new == fr.State({}, {})
+    seq = nn.Sequential(nn.Sequential(nn.Tanh(), nn.Identity()), nn.Sequential(nn.Linear(4, 4)))
+    s = perturbed(seq, seed=11)
+    assert torch.equal(fr.apply(seq, s, x)[0], load(seq, s)(x))
+
+
+def test_forward_arguments_named_module_or_state_pass_through() -> None:
+    class Named(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(2))
+
+        def forward(self, x: torch.Tensor, module: float = 1.0, state: float = 1.0) -> torch.Tensor:
+            return x * self.w * module * state
+
+    m = Named()
+    s = fr.State({"w": torch.full((2,), 2.0)}, {})
+    out, _ = fr.apply(m, s, torch.ones(2), module=3.0, state=5.0)
+    assert torch.equal(out, torch.full((2,), 30.0))
