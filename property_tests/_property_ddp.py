@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _property_support import Unchanged, refill
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import freplicate as fr
@@ -143,6 +144,16 @@ def _loss(out: Any) -> torch.Tensor:
     return total
 
 
+def _bf16_compress_hook(state, bucket):  # type: ignore[no-untyped-def]
+    # DDP's bf16_compress_hook refuses gloo (it asks for NCCL); its body is this call. No
+    # annotations: DDP checks them, and this file's are strings (from __future__ import).
+    return default_hooks._compress_hook(torch.bfloat16, state, bucket)
+
+
+# DDP's compression hooks: what fr.distributed's compress= reproduces
+_HOOKS = {"fp16": default_hooks.fp16_compress_hook, "bf16": _bf16_compress_hook}
+
+
 def _call(module: torch.nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return module(**inputs)
@@ -150,10 +161,20 @@ def _call(module: torch.nn.Module, inputs: Any) -> Any:
 
 
 def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
-    """fr.distributed.grad_and_value (and all_reduce of local gradients) equal DDP's gradients."""
-    module, inputs, cap = p["module"], p["inputs"][rank], p["bucket_cap_mb"]
+    """fr.distributed.grad_and_value (and all_reduce of local gradients) equal DDP's gradients.
+
+    With ``compress``, DDP runs with the matching compression hook.
+    """
+    module, inputs, cap, compress = (
+        p["module"],
+        p["inputs"][rank],
+        p["bucket_cap_mb"],
+        p["compress"],
+    )
     reference = copy.deepcopy(module)
     ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    if compress is not None:
+        ddp.register_comm_hook(None, _HOOKS[compress])
     ddp_loss = _loss(_call(ddp, inputs))
     ddp_loss.backward()
     want = {
@@ -169,9 +190,11 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
         return _loss(out)
 
     unchanged = Unchanged(s, inputs)
-    grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap)(s.params)
+    grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap, compress=compress)(
+        s.params
+    )
     local, _ = fr.grad_and_value(loss_fn)(s.params)
-    reduced = fr.distributed.all_reduce(local, bucket_cap_mb=cap)
+    reduced = fr.distributed.all_reduce(local, bucket_cap_mb=cap, compress=compress)
     unchanged.check("fr.distributed.grad_and_value / all_reduce")
     torch.testing.assert_close(value, ddp_loss.detach())
     assert_trees_close(grads, want, rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ import freplicate as fr
 from freplicate.testing import assert_trees_close, check_against_stateful, devices, modules
 
 
-@given(modules(), devices(), st.data())
+@given(modules(dtypes=(torch.float32, torch.float64)), devices(), st.data())
 def test_data_parallel_equals_the_stateful_oracle(
     pair: tuple[torch.nn.Module, Any], devs: list[str], data: st.DataObject
 ):

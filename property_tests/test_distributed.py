@@ -45,17 +45,25 @@ def _all_ok(replies: list[tuple[str, Any]]) -> list[Any]:
 # DDP refuses a module without parameters (BatchNorm without affine): every kind but that
 DDP_KINDS = ["mlp", "conv", "tied", "buffers", "nested", "unused", "positional", "keywords"]
 CAPS = st.sampled_from([25.0, 1e-4])  # one bucket, or one leaf per bucket
+COMPRESS = st.sampled_from([None, "bf16", "fp16"])
 
 
 @examples(0.3)
-@given(modules(kinds=DDP_KINDS), CAPS, st.data())
+@given(modules(kinds=DDP_KINDS), CAPS, COMPRESS, st.data())
 def test_grad_and_value_equals_ddp(
-    ranks: RankPool, pair: tuple[torch.nn.Module, Any], cap: float, data: st.DataObject
+    ranks: RankPool,
+    pair: tuple[torch.nn.Module, Any],
+    cap: float,
+    compress: str | None,
+    data: st.DataObject,
 ):
     module, inputs = pair
     per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
     _all_ok(
-        ranks.run("grad_and_value", {"module": module, "inputs": per_rank, "bucket_cap_mb": cap})
+        ranks.run(
+            "grad_and_value",
+            {"module": module, "inputs": per_rank, "bucket_cap_mb": cap, "compress": compress},
+        )
     )
 
 
@@ -63,7 +71,7 @@ summable = trees(dtypes=(*FLOAT_DTYPES, torch.int64, torch.int32), max_leaves=5)
 
 
 @examples(0.3)
-@given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, st.sampled_from([None, "bf16", "fp16"]))
+@given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, COMPRESS)
 def test_all_reduce_is_the_sum_or_mean_over_ranks(
     ranks: RankPool, data: st.DataObject, op: str, cap: float, compress: str | None
 ):

@@ -95,3 +95,26 @@ def test_gather_of_different_structures_names_the_path(tree: Any, data: st.DataO
     bent = optree.tree_unflatten(spec, other)
     with pytest.raises(ValueError, match=r"fr\.gather: .*" + re.escape(accessors[i].codify(""))):
         fr.gather([tree, bent], "cpu")
+
+
+@given(
+    st.integers(0, 5).flatmap(lambda b: trees(batch_size=b, max_leaves=4)),
+    devices(),
+    st.sampled_from([1, -1]),
+)
+def test_scatter_and_gather_along_another_dim(tree: Any, devs: list[str], dim: int):
+    def batch_at_dim(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        return x.unsqueeze(0) if dim == 1 else x.movedim(0, -1)
+
+    tree = optree.tree_map(batch_at_dim, tree)
+    shards = fr.scatter(tree, devs, dim=dim)
+    chunks = [t.chunk(len(devs), dim) for t in tensor_leaves(tree)]
+    assert len(shards) == min((len(c) for c in chunks), default=len(devs))
+    for i, shard in enumerate(shards):
+        for x, c in zip(tensor_leaves(shard), chunks):
+            torch.testing.assert_close(x, c[i].to(devs[i]), rtol=0, atol=0)
+    assert_trees_close(
+        fr.gather(shards, devs[0], dim=dim), to_device(tree, devs[0]), rtol=0, atol=0
+    )
