@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import optree
 import torch
@@ -37,7 +37,7 @@ def check_against_stateful(
     inputs: Any,
     devices: Sequence[Any],
     *,
-    buffers: str = "first",
+    buffers: Literal["first", "mean"] = "first",
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
@@ -65,7 +65,7 @@ def check_against_stateful(
         raise ValueError(
             f"check_against_stateful: buffers must be 'first' or 'mean', got {buffers!r}"
         )
-    devs = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+    devs = [_device(d) for d in devices]
     if not devs:
         raise ValueError("check_against_stateful: devices must name at least one device")
     before = _snapshot((module, args, kwargs))
@@ -87,6 +87,13 @@ def check_against_stateful(
                 f"check_against_stateful: {what} of fr.data_parallel differ from the stateful "
                 f"path's on devices {[str(d) for d in devs]}: {err}"
             ) from None
+
+
+def _device(spec: Any) -> torch.device:
+    device = torch.device("cuda", spec) if isinstance(spec, int) else torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -119,7 +126,7 @@ def _functional(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     devices: Sequence[Any],
-    buffers: Any,
+    buffers: Literal["first", "mean"],
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     s = fr.state(module)
     trainable = {name for name, p in module.named_parameters() if p.requires_grad}
@@ -145,7 +152,7 @@ def _stateful(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     devs: list[torch.device],
-    buffers: str,
+    buffers: Literal["first", "mean"],
 ) -> tuple[Any, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     home = {name: t.device for name, t in module.named_parameters()}
     home.update({name: t.device for name, t in module.named_buffers()})
