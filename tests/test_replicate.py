@@ -187,6 +187,22 @@ def test_copies_stay_in_the_graph_unless_detach() -> None:
     assert cpu["w"].data_ptr() == w.data_ptr()  # detached, still not copied
     (r,) = fr.replicate({"w": w * 2}, ["cpu"], detach=True)
     assert r["w"].grad_fn is None
+    # tied leaves stay one object per replica when detached too
+    cpu, meta = fr.replicate({"x": w, "y": [w]}, ["cpu", "meta"], detach=True)
+    assert cpu["x"] is cpu["y"][0] and meta["x"] is meta["y"][0]
+
+
+def test_torch_func_grad_with_a_meta_replica_in_the_tree() -> None:
+    # replicas the loss does not use (here on meta) send no gradient back
+    tree = {"a": torch.randn(3), "b": torch.randn(2)}
+
+    def f(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        cpu, meta, cpu2 = fr.replicate(t, ["cpu", "meta", "cpu"])
+        assert meta["a"].device == META
+        return cpu["a"].sum() + (cpu2["a"] * 3).sum()
+
+    g = torch.func.grad(f)(tree)
+    assert torch.equal(g["a"], torch.full((3,), 4.0)) and torch.equal(g["b"], torch.zeros(2))
 
 
 @pytest.mark.parametrize(
