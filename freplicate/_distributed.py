@@ -222,6 +222,8 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
 
 _PLANS: dict[Any, _Plan] = {}
 _SIG = operator.attrgetter("shape", "dtype", "device")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 _PLANS_LOCK = threading.Lock()
 
 
@@ -316,16 +318,16 @@ class _Reduction:
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
         red = dist.ReduceOp.SUM
+        # a mean divides before the sum, as DDP does: one pass with the copy, no overflow in fp16
+        div = self.world if self.op == "mean" else 1
         if bucket.comm is None:
             comm = res
-            bucket.results.pack(runs, tensors)
+            bucket.results.pack(runs, tensors, div=div)
         else:
             comm, comm_runs = bucket.comm.take()
-            bucket.comm.pack(comm_runs, tensors)
+            bucket.comm.pack(comm_runs, tensors, div=div)
             if bucket.comm_dtype == torch.uint8:
                 red = dist.ReduceOp.MAX  # booleans: a logical or
-            elif self.op == "mean":
-                comm.div_(self.world)  # before the sum, as DDP's compression hooks: no overflow
         work = dist.all_reduce(comm, op=red, group=self.group, async_op=True)
         self.pending.append((runs, comm, res, work))
         self.launched += 1
@@ -341,8 +343,6 @@ class _Reduction:
             work.wait()
             if comm is not res:
                 res.copy_(comm)
-            elif self.op == "mean":
-                res.div_(self.world)
             views += FlatPool.views(runs)
         return self.plan.reorder(views)
 
@@ -526,26 +526,27 @@ def grad_and_value(
         world = _world(group)
         if world == 1:
             return local(*args, **kwargs)
-        everything: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
-        if (
-            maybe_current_level() is not None
-            or not -len(args) <= argnums < len(args)
-            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in everything)
-        ):
-            # a transform, or an outer graph that torch.func keeps: its gradient, then reduce
-            grads, value = local(*args, **kwargs)
+        if maybe_current_level() is not None or not -len(args) <= argnums < len(args):
+            grads, value = local(*args, **kwargs)  # under a transform: its gradient, then reduce
             return reduce(grads), value
-        tree = args[argnums]
+        n = argnums % len(args)
+        tree = args[n]
         plan, leaves = _plan_for(
             tree, "fr.distributed.all_reduce", op, bucket_cap_mb, compress, None
         )
-        if len(plan.unique) != len(leaves):
-            grads, value = local(*args, **kwargs)  # non-tensor leaves: let it raise as it does
+        rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
+        if (
+            not plan.bare  # non-tensor or tied leaves: let fr.grad_and_value deal with them
+            or any(map(_REQUIRES_GRAD, leaves))
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
+        ):
+            # an outer autograd graph, which torch.func keeps: its gradient, then reduce
+            grads, value = local(*args, **kwargs)
             return reduce(grads), value
         with plan.lock:
             if check:
                 plan.check(tree, group, name)
-            return _overlapped(fn, args, kwargs, argnums, has_aux, plan, leaves, op, group, world)
+            return _overlapped(fn, args, kwargs, n, has_aux, plan, leaves, op, group, world)
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
@@ -566,9 +567,9 @@ def _overlapped(
 ) -> tuple[Any, Any]:
     """The backward pass with each bucket's all-reduce launched from gradient hooks."""
     name = "fr.distributed.grad_and_value"
-    fresh = [leaves[i].detach().requires_grad_(True) for i in plan.unique]
+    fresh: list[torch.Tensor] = list(map(_REQUIRES_GRAD_, map(torch.Tensor.detach, leaves)))
     new_args = list(args)
-    new_args[argnums] = _rebuild(plan, leaves, fresh)
+    new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
     red = _Reduction(plan, op, group, world)
     nb = len(plan.buckets)
     ready: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in plan.buckets]

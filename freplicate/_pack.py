@@ -333,12 +333,23 @@ class FlatPool:
             self.entries.append((flat, runs, self._uses(flat)))
         return flat, runs
 
-    def pack(self, runs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor]) -> None:
-        """Copy ``tensors`` (shaped as the pool's list) into the buffer of ``runs``."""
+    def pack(
+        self, runs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], *, div: int = 1
+    ) -> None:
+        """Copy ``tensors`` (shaped as the pool's list) into the buffer of ``runs``.
+
+        With ``div``, the buffer receives ``tensor / div`` (a mean's division,
+        done in the same pass as the copy where a run holds one tensor).
+        """
         start = 0
         with torch.no_grad():
             for run, (_, count) in zip(runs, self.runs):
-                torch.stack(list(tensors[start : start + count]), out=run)
+                if count == 1 and div != 1:
+                    torch.div(tensors[start], div, out=run[0])
+                else:
+                    torch.stack(list(tensors[start : start + count]), out=run)
+                    if div != 1:
+                        run.div_(div)
                 start += count
 
     @staticmethod
