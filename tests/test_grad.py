@@ -159,7 +159,11 @@ def test_nested_trees_and_repeated_leaves() -> None:
     W = namedtuple("W", "w")
     tree = {"a": [w, w], "b": W(torch.ones(2))}
     c = torch.randn(3)
-    assert_same(fr.grad_and_value(f)(tree, c), torch.func.grad_and_value(f)(tree, c))
+    grads, _ = fr.grad_and_value(f)(tree, c)
+    assert_same(grads, torch.func.grad_and_value(f)(tree, c)[0])
+    # one tensor at two leaf positions: each position gets its own gradient
+    assert torch.equal(grads["a"][0], c) and torch.equal(grads["a"][1], torch.ones(3))
+    assert torch.equal(grads["b"].w, torch.full((2,), 4.0)) and type(grads["b"]) is W
 
 
 def test_per_sample_gradients_under_vmap() -> None:
