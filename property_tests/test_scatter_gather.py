@@ -118,3 +118,21 @@ def test_scatter_and_gather_along_another_dim(tree: Any, devs: list[str], dim: i
     assert_trees_close(
         fr.gather(shards, devs[0], dim=dim), to_device(tree, devs[0]), rtol=0, atol=0
     )
+
+
+@given(trees(max_leaves=5), devices())
+def test_gather_returns_unequal_non_tensor_leaves_as_a_tuple(tree: Any, devs: list[str]):
+    def per_tree(i: int) -> Any:
+        return optree.tree_map(
+            lambda x: x if isinstance(x, torch.Tensor) else f"{x!r} in {i}", tree
+        )
+
+    # 0-dim and higher leaves alike: the same tensors in every tree
+    replicas = [to_device(per_tree(i), d) for i, d in enumerate(devs)]
+    out = fr.gather(replicas, devs[0])
+    # flatten the result up to the trees' leaves: a tuple there is one leaf of the result
+    at_leaves = optree.tree_structure(replicas[0]).flatten_up_to(out)
+    for x, column in zip(at_leaves, zip(*map(optree.tree_leaves, replicas))):
+        if not isinstance(column[0], torch.Tensor):
+            expected = column[0] if len(devs) == 1 else column
+            assert x == expected

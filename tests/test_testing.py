@@ -315,8 +315,10 @@ def test_modules_have_what_their_kind_promises():
     assert {"scale", "running", "calls"} <= dict(buffered.named_buffers()).keys()
     unused, inputs = _first(modules(kinds=["unused"]))
     out = unused(_first(inputs))
-    grads = torch.autograd.grad(out.sum(), list(unused.parameters()), allow_unused=True)
-    assert any(g is None for g in grads)
+    trainable = [p for p in unused.parameters() if p.requires_grad]
+    grads = torch.autograd.grad(out.sum(), trainable, allow_unused=True)
+    assert any(g is None for g in grads), "a parameter that does not reach the output"
+    assert len(trainable) < len(list(unused.parameters())), "a frozen parameter"
     double, _ = _first(modules(kinds=["mlp"], dtypes=[torch.float64], training=False))
     assert not double.training and all(p.dtype == torch.float64 for p in double.parameters())
 

@@ -221,19 +221,24 @@ class Nested(nn.Module):
         z = self.parts["trunk"](x)
         a, b = (head(z) for head in heads)
         # a 0-dim output: DataParallel stacks one per replica
-        return {"a": a, "rest": (b.squeeze(-1), z.pow(2).mean())}
+        return {"a": a, "rest": (b.squeeze(-1), z.pow(2).mean()), "nothing": None}
 
 
 class WithUnused(nn.Module):
-    """A parameter that never reaches the output (its gradient is zero, or None in PyTorch)."""
+    """Parameters that never reach the output, and a frozen one (``requires_grad=False``).
+
+    The unused ones get zero gradients here, ``None`` in PyTorch; the frozen one
+    is used but left out of PyTorch's gradients (and out of DDP's reducer).
+    """
 
     def __init__(self, n: int, m: int) -> None:
         super().__init__()
         self.used = nn.Linear(n, m)
         self.unused = nn.Linear(n, m)
+        self.frozen = nn.Parameter(torch.randn(m), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.used(x)
+        return self.used(x) * self.frozen
 
 
 class TwoInputs(nn.Module):
@@ -381,8 +386,8 @@ def modules(
     ``kinds`` picks among ``"mlp"``, ``"conv"`` (Conv1d/2d + BatchNorm),
     ``"batchnorm"``, ``"tied"`` (tied weights), ``"buffers"`` (registered
     buffers updated in forward), ``"nested"`` (ModuleDict / ModuleList and a
-    tree of outputs), ``"unused"`` (a parameter that never reaches the
-    output), ``"positional"`` (``forward(x, y)``) and ``"keywords"``
+    tree of outputs), ``"unused"`` (parameters that never reach the output,
+    and a frozen one), ``"positional"`` (``forward(x, y)``) and ``"keywords"``
     (``forward(x, *, scale, shift)``); all by default, shrinking towards
     ``"mlp"``. The module's parameters have a dtype from ``dtypes`` and sides
     of at most ``max_features``; it is in training mode, eval mode or either
