@@ -293,6 +293,15 @@ def _rebuild(plan: _Plan, leaves: list[Any], results: Sequence[torch.Tensor]) ->
     return optree.tree_unflatten(plan.spec, out)
 
 
+def _not_transformed(fn: str) -> None:
+    if maybe_current_level() is not None:
+        raise RuntimeError(
+            f"{fn}: cannot run under a torch.func transform (vmap, grad, jvp ...): "
+            "torch.distributed collectives have no batching or differentiation rule; call "
+            "fr.grad_and_value inside the transform and fr.distributed.all_reduce outside it"
+        )
+
+
 def _check_args(fn: str, op: str, compress: str | None) -> None:
     if op not in _OPS:
         raise ValueError(f"{fn}: op must be 'sum' or 'mean', got {op!r}")
@@ -386,6 +395,7 @@ def all_reduce(
     world = _world(group)
     if world == 1:
         return tree
+    _not_transformed(fn)
     plan, leaves = _plan_for(tree, fn, op, bucket_cap_mb, compress, None)
     if not plan.unique:
         return tree
@@ -418,6 +428,7 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
     world = _world(group)
     if world == 1:
         return tree
+    _not_transformed(fn)
     if not 0 <= src < dist.get_world_size():
         raise ValueError(
             f"{fn}: src={src} is not a rank of the default group (0..{dist.get_world_size() - 1})"
@@ -502,9 +513,11 @@ def grad_and_value(
     hook on this call's own fresh leaves as soon as its last gradient is
     computed, while the backward pass goes on (DDP's overlap); the remaining
     buckets start when it ends, always in the same order on every rank.
-    No module is touched and no hook outlives the call. Under a
-    ``torch.func`` transform, or when an input already carries an autograd
-    graph, it computes ``fr.grad_and_value`` then ``all_reduce``.
+    No module is touched and no hook outlives the call. When an input
+    already carries an autograd graph, it computes ``fr.grad_and_value``
+    then ``all_reduce``. Collectives cannot run under a ``torch.func``
+    transform: there it raises ``RuntimeError`` (as ``all_reduce`` and
+    ``broadcast`` do).
 
     >>> w = {"a": torch.tensor(2.0)}
     >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
@@ -526,9 +539,9 @@ def grad_and_value(
         world = _world(group)
         if world == 1:
             return local(*args, **kwargs)
-        if maybe_current_level() is not None or not -len(args) <= argnums < len(args):
-            grads, value = local(*args, **kwargs)  # under a transform: its gradient, then reduce
-            return reduce(grads), value
+        _not_transformed(name)
+        if not -len(args) <= argnums < len(args):
+            return local(*args, **kwargs)  # let fr.grad_and_value raise its error
         n = argnums % len(args)
         tree = args[n]
         plan, leaves = _plan_for(

@@ -406,6 +406,14 @@ def grad_matches_all_reduce(rank: int) -> Any:
     return out
 
 
+@scenario
+def under_vmap(rank: int) -> Any:
+    """Collectives have no batching rule: a clear error on every rank, not a crash or a hang."""
+    g = fr.distributed.grad_and_value(lambda p, x: (p["w"] * x).sum())
+    xs = torch.arange(6.0).view(3, 2) + rank
+    return torch.func.vmap(g, in_dims=(None, 0))({"w": torch.ones(2)}, xs)
+
+
 # --- a rank that dies -----------------------------------------------------------------
 
 

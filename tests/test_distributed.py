@@ -175,6 +175,15 @@ def test_grad_equals_all_reduce_of_local_grad(job):
         assert r["unchanged"]
 
 
+def test_grad_under_vmap_raises(job):
+    raised(
+        job,
+        "under_vmap",
+        "RuntimeError",
+        r"fr\.distributed\.grad_and_value: cannot run under a torch\.func transform",
+    )
+
+
 # --- failures that must not hang --------------------------------------------------------
 
 
