@@ -16,7 +16,10 @@ order rotated; a ratio is the median over rounds of the per-round ratio):
   ``fr.replicate(state, ["cpu"] * 4)``.
 
 Before timing, the sides of each group must agree (outputs, gradients and
-losses, replicated values). Lower is faster.
+losses, replicated values). Lower is faster. The minor page faults of each
+gradient side are printed too: where a side returns fresh gradients of
+several MB, glibc maps new pages for them on every call, and the kernel's
+zeroing of those pages can cost more than the arithmetic.
 
 Run: ``.venv/bin/python -m benchmarks.bench_core`` (``--quick`` for a smoke run).
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,24 +51,28 @@ TARGETS = {
 
 def round_times(
     candidates: Sequence[Callable[[], object]], *, pairs: int, warmup: int
-) -> list[list[float]]:
+) -> tuple[list[list[float]], list[float]]:
     """``times[r][i]``: candidate ``i``'s time in round ``r``, the order rotated each round.
 
     ``_common.ratios`` gives ratios to one baseline; these rounds also give the
-    ratio of any two sides measured side by side.
+    ratio of any two sides measured side by side. Also returns each candidate's
+    minor page faults per call over the same rounds (counted outside the timing).
     """
     n = len(candidates)
     for _ in range(warmup):
         for fn in candidates:
             fn()
     times = []
+    faults = [0] * n
     for r in range(pairs):
         t = [0.0] * n
         for k in range(n):
             i = (r + k) % n
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t[i] = timed(candidates[i])
+            faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         times.append(t)
-    return times
+    return times, [f / pairs for f in faults]
 
 
 def median_ratio(times: list[list[float]], i: int, j: int) -> float:
@@ -160,17 +168,18 @@ def main(argv: list[str] | None = None) -> None:
     fwd: dict[str, list[float]] = {}
     grad: dict[str, list[float]] = {}
     rep: dict[str, list[float]] = {}
+    faults: dict[str, list[float]] = {}
     for name in MODELS:
         model, x, y = build(name)
         with torch.no_grad():
             sides = forward_sides(model, x)
-            t = round_times(sides, pairs=pairs, warmup=warmup)
+            t, _ = round_times(sides, pairs=pairs, warmup=warmup)
         fwd[name] = [median_ratio(t, i, 0) for i in range(3)]
         sides = grad_sides(model, x, y)
-        t = round_times(sides, pairs=pairs, warmup=warmup)
+        t, faults[name] = round_times(sides, pairs=pairs, warmup=warmup)
         grad[name] = [median_ratio(t, i, 0) for i in range(4)] + [median_ratio(t, 1, 2)]
         sides = replicate_sides(model)
-        t = round_times(sides, pairs=pairs, warmup=warmup)
+        t, _ = round_times(sides, pairs=pairs, warmup=warmup)
         rep[name] = [median_ratio(t, 1, 0)]
 
     header = "".join(f"{m:>12}" for m in MODELS)
@@ -188,6 +197,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     for i, label in enumerate(labels):
         print(row("  " + label, [grad[m][i] for m in MODELS], fmt))
+    print(f"\n{'minor page faults per call, same rounds':<44}{header}")
+    for i, label in enumerate(labels[:4]):
+        print(row("  " + label, [faults[m][i] for m in MODELS], "{:>12.0f}"))
     print(f"\n{'replication onto 4 x cpu, vs 4 deepcopies':<44}{header}")
     print(row("  fr.replicate(state, ['cpu'] * 4)", [rep[m][0] for m in MODELS], "{:>12.5f}"))
     print("\ntargets (issue 6):")
