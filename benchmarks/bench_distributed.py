@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import socket
 import statistics
 import time
@@ -159,7 +160,15 @@ def _agree(sides: dict[str, Callable[[], Any]], steps: int = 3) -> float:
     return worst
 
 
-def _bench_step(name: str, rounds: int, steps: int) -> list[float]:
+def _faults(fn: Callable[[], Any], steps: int = 5) -> float:
+    """Minor page faults per step on this rank: the price of fresh large allocations."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
+
+
+def _bench_step(name: str, rounds: int, steps: int) -> tuple[list[float], list[float]]:
     model, x, y = build(name)
     # fresh sides for the agreement check (they train), then fresh ones to time
     check = {
@@ -178,7 +187,7 @@ def _bench_step(name: str, rounds: int, steps: int) -> list[float]:
         _fr_side(model, x, y),
         _naive_side(model, x, y),
     ]
-    return _ratios(sides, rounds, steps)
+    return _ratios(sides, rounds, steps), [_faults(fn) for fn in sides]
 
 
 def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
@@ -242,8 +251,11 @@ def main() -> None:
     )
     print(f"{'SGD step / DDP step':<24}{'replicate':>11}{'fr':>8}{'naive':>8}{'target(fr)':>12}")
     for name in args.models:
-        _, rep, frr, naive = rows[name]
+        _, rep, frr, naive = rows[name][0]
         print(f"{name:<24}{rep:>11.3f}{frr:>8.3f}{naive:>8.3f}{TARGETS[name]:>12.2f}")
+    print(f"{'page faults / step':<24}{'ddp':>8}{'replicate':>11}{'fr':>8}{'naive':>8}  (rank 0)")
+    for name in args.models:
+        print(f"{name:<24}" + "".join(f"{f:>{w}.0f}" for f, w in zip(rows[name][1], (8, 11, 8, 8))))
     _, ar, ar_nocheck = rows["all_reduce"]
     print(
         f"fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce: {ar:.3f} "

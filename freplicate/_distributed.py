@@ -97,7 +97,7 @@ class _Plan:
         self.spec = spec
         self.unique = unique
         self.slot = slot
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # fn may itself reduce a tree of this layout
         self.checked: list[Any] = []  # groups (objects) this layout was verified on
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
@@ -452,7 +452,9 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
             work.wait()
             if not root:
                 views += FlatPool.views(runs)
-    return tree if root else _rebuild(plan, leaves, plan.reorder(views))
+    if root:  # a new tree holding the given tensors: their values are the answer
+        return optree.tree_unflatten(plan.spec, leaves)
+    return _rebuild(plan, leaves, plan.reorder(views))
 
 
 def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Any = None) -> Any:
