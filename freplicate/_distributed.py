@@ -12,10 +12,10 @@ pool (``_pack.FlatPool``), is reduced there in place, and comes back as
 views of it; the pool hands a buffer out again only once no view of it is
 alive, so results of successive calls never alias, and a training loop
 reuses two or three buffers instead of paying a large allocation (page
-faults) every step.
-A plan is checked across ranks once, by one small collective (a fingerprint
-all-reduced with MAX), so trees that differ raise ``ValueError`` on every rank
-instead of hanging or reducing garbage.
+faults) every step. Every call checks the layout across ranks with one tiny
+collective (the plan's fingerprint, all-reduced with MAX) before any bucket
+starts, so trees that differ raise ``ValueError`` on every rank instead of
+hanging, aborting or reducing garbage.
 """
 
 from __future__ import annotations
@@ -98,7 +98,6 @@ class _Plan:
         self.unique = unique
         self.slot = slot
         self.lock = threading.RLock()  # fn may itself reduce a tree of this layout
-        self.checked: list[Any] = []  # groups (objects) this layout was verified on
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
         check_packable(tensors, range(len(tensors)), paths, fn=fn)
@@ -136,16 +135,16 @@ class _Plan:
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
         self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
 
-    def check(self, tree: Any, group: Any, fn: str) -> None:
-        """Verify once per group that every rank has this layout; ``ValueError`` if not."""
-        for g in self.checked:
-            if g is group:
-                return
-        device = _comm_device(group)
-        probe = torch.tensor([self.fingerprint, -self.fingerprint], device=device)
-        dist.all_reduce(probe, op=dist.ReduceOp.MAX, group=group)
-        if int(probe[0]) == self.fingerprint and int(probe[1]) == -self.fingerprint:
-            self.checked.append(group)
+    def probe(self, group: Any) -> tuple[torch.Tensor, Any]:
+        """Start this call's cross-rank check: the fingerprint and its negation, MAX-reduced."""
+        t = torch.tensor([self.fingerprint, -self.fingerprint], device=_comm_device(group))
+        return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def verify(self, probe: tuple[torch.Tensor, Any], tree: Any, group: Any, fn: str) -> None:
+        """Finish the check started by ``probe``: ``ValueError`` on every rank if layouts differ."""
+        t, work = probe
+        work.wait()
+        if int(t[0]) == self.fingerprint and int(t[1]) == -self.fingerprint:
             return
         # Every rank saw the difference, so every rank takes this slower path together.
         try:
@@ -322,8 +321,8 @@ class _Reduction:
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
-    def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
-        """Pack bucket ``b`` from ``tensors`` (its members, in order) and start its all-reduce."""
+    def stage(self, b: int, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+        """Pack bucket ``b`` from ``tensors`` (its members, in order), ready to start."""
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
         red = dist.ReduceOp.SUM
@@ -337,9 +336,16 @@ class _Reduction:
             bucket.comm.pack(comm_runs, tensors, div=div)
             if bucket.comm_dtype == torch.uint8:
                 red = dist.ReduceOp.MAX  # booleans: a logical or
+        return runs, comm, res, red
+
+    def start(self, staged: tuple[Any, ...]) -> None:
+        runs, comm, res, red = staged
         work = dist.all_reduce(comm, op=red, group=self.group, async_op=True)
         self.pending.append((runs, comm, res, work))
         self.launched += 1
+
+    def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
+        self.start(self.stage(b, tensors))
 
     def finish(self) -> Sequence[torch.Tensor]:
         """Wait for every bucket; the results, one per unique tensor of the plan.
@@ -379,8 +385,8 @@ def all_reduce(
     their logical or. Non-tensor leaves pass through by reference; a tensor
     at several positions is reduced once and stays one object.
 
-    The first call with a new layout checks it across ranks with one small
-    collective (``check=False`` skips this): trees that differ in structure,
+    Each call first checks the layout across ranks with one tiny collective,
+    overlapped with the packing (``check=False`` skips it): trees that differ in structure,
     shape or dtype, or calls with different options, raise ``ValueError``
     naming the difference on every rank. ``tree`` is never modified, and
     never used as the reduction buffer. Without an initialised process
@@ -400,12 +406,15 @@ def all_reduce(
     if not plan.unique:
         return tree
     with plan.lock:
-        if check:
-            plan.check(tree, group, fn)
+        probe = plan.probe(group) if check else None
         red = _Reduction(plan, op, group, world)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        for b, bucket in enumerate(plan.buckets):
-            red.launch(b, bucket.pick(tensors))
+        # packing overlaps the check; no bucket may start before it passed on every rank
+        staged = [red.stage(b, bucket.pick(tensors)) for b, bucket in enumerate(plan.buckets)]
+        if probe is not None:
+            plan.verify(probe, tree, group, fn)
+        for st in staged:
+            red.start(st)
         results = red.finish()
     return _rebuild(plan, leaves, results)
 
@@ -438,15 +447,20 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
         return tree
     root = dist.get_rank() == src
     with plan.lock:
-        if check:
-            plan.check(tree, group, fn)
-        pending = []
+        probe = plan.probe(group) if check else None
+        staged = []
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
         for bucket in plan.buckets:
             flat, runs = bucket.results.take()
             if root:
                 bucket.results.pack(runs, bucket.pick(tensors))
-            pending.append((runs, dist.broadcast(flat, src=src, group=group, async_op=True)))
+            staged.append((flat, runs))
+        if probe is not None:
+            plan.verify(probe, tree, group, fn)
+        pending = [
+            (runs, dist.broadcast(flat, src=src, group=group, async_op=True))
+            for flat, runs in staged
+        ]
         views: list[torch.Tensor] = []
         for runs, work in pending:
             work.wait()
@@ -559,9 +573,10 @@ def grad_and_value(
             grads, value = local(*args, **kwargs)
             return reduce(grads), value
         with plan.lock:
-            if check:
-                plan.check(tree, group, name)
-            return _overlapped(fn, args, kwargs, n, has_aux, plan, leaves, op, group, world)
+            probe = plan.probe(group) if check else None
+            return _overlapped(
+                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, probe, name
+            )
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
@@ -579,9 +594,14 @@ def _overlapped(
     op: str,
     group: Any,
     world: int,
+    probe: tuple[torch.Tensor, Any] | None,
+    name: str,
 ) -> tuple[Any, Any]:
-    """The backward pass with each bucket's all-reduce launched from gradient hooks."""
-    name = "fr.distributed.grad_and_value"
+    """The backward pass with each bucket's all-reduce launched from gradient hooks.
+
+    The cross-rank check started by ``probe`` runs during the forward pass and
+    is verified before the backward pass, so before any bucket can start.
+    """
     fresh: list[torch.Tensor] = list(map(_REQUIRES_GRAD_, map(torch.Tensor.detach, leaves)))
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
@@ -612,6 +632,8 @@ def _overlapped(
     try:
         with torch.enable_grad():
             output = fn(*new_args, **kwargs)
+            if probe is not None:
+                plan.verify(probe, args[argnums], group, name)
             if has_aux:
                 if not (isinstance(output, tuple) and len(output) == 2):
                     raise RuntimeError(

@@ -285,6 +285,20 @@ def mismatch_grad(rank: int) -> Any:
 
 
 @scenario
+def mismatch_after_cached(rank: int) -> Any:
+    """Rank 0 passes a layout both ranks reduced before, rank 1 a new one: still caught."""
+    fr.distributed.all_reduce({"w": torch.ones(2)})
+    fr.distributed.all_reduce({"w": torch.ones(2 + rank)})
+
+
+@scenario
+def mismatch_grad_after_cached(rank: int) -> Any:
+    loss = lambda p: p["w"].sum()  # noqa: E731
+    fr.distributed.grad_and_value(loss)({"w": torch.ones(2)})
+    fr.distributed.grad_and_value(loss)({"w": torch.ones(2 + rank)})
+
+
+@scenario
 def after_mismatch(rank: int) -> Any:
     """The group is still usable after the mismatches above: every rank took the same path."""
     return fr.distributed.all_reduce({"x": torch.full((2,), float(rank))}, op="sum")

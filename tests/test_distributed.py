@@ -131,6 +131,17 @@ def test_mismatched_params_raise_in_grad(job):
     )
 
 
+def test_mismatch_caught_when_one_rank_has_the_layout_cached(job):
+    pattern = r"the tensor at \['w'\] differs across ranks: shape \(2,\).*rank 0; shape \(3,\)"
+    raised(job, "mismatch_after_cached", "ValueError", r"fr\.distributed\.all_reduce: " + pattern)
+    raised(
+        job,
+        "mismatch_grad_after_cached",
+        "ValueError",
+        r"fr\.distributed\.grad_and_value: " + pattern,
+    )
+
+
 def test_group_usable_after_mismatches(job):
     for r in ok(job, "after_mismatch"):
         torch.testing.assert_close(r["x"], torch.ones(2))
