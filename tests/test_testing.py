@@ -236,6 +236,9 @@ def test_trees_cover_dtypes_shapes_nesting_non_tensors_and_aliases():
     assert {t.dtype for t in tensors} == set(ALL_DTYPES)
     assert any(t.dim() == 0 for t in tensors), "0-dim tensors"
     assert any(t.numel() == 0 for t in tensors), "empty tensors"
+    assert any(not t.is_contiguous() and 0 not in t.stride() for t in tensors), "strided views"
+    assert any(0 in t.stride() and t.numel() > 1 for t in tensors), "expanded views"
+    assert any(t.storage_offset() > 0 for t in tensors), "views offset into their storage"
     nodes = set().union(*(_kinds_of_nodes(tree) for tree in drawn))
     assert {dict, list, tuple, Pair, type(None)} <= nodes
     others = {type(x) for tree in drawn for x in optree.tree_leaves(tree)} - {torch.Tensor}
@@ -257,6 +260,7 @@ def test_trees_respect_their_options():
             max_leaves=4,
             aliased=False,
             non_tensor_leaves=False,
+            views=False,
         ),
         100,
     )
@@ -267,6 +271,7 @@ def test_trees_respect_their_options():
         assert len({id(t) for t in leaves}) == len(leaves), "no aliases"
         for t in leaves:
             assert t.dtype == torch.float16 and t.shape[0] == 3 and t.dim() <= 2
+            assert t.is_contiguous() and t.storage_offset() == 0
             assert all(side <= 2 for side in t.shape[1:])
 
 

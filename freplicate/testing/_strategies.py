@@ -55,6 +55,24 @@ def _tensor(
     return t.to(device)
 
 
+_VIEWS = ("fresh", "transposed", "strided", "offset", "expanded")
+
+
+def _as_view(t: torch.Tensor, how: str) -> torch.Tensor:
+    """A tensor equal to ``t`` that is a view of another layout (``how``), where ``t`` allows."""
+    if how == "transposed" and t.dim() >= 2:
+        return t.mT.contiguous().mT
+    if how == "strided" and t.dim() >= 1:
+        wide = torch.stack([t, t], dim=-1)  # every element twice: take every other one
+        return wide.flatten(-2)[..., ::2]
+    if how == "offset":
+        flat = torch.cat([t.new_zeros(1), t.reshape(-1)])
+        return flat[1:].view(t.shape)
+    if how == "expanded" and t.dim() >= 1 and t.shape[0] > 1:
+        return t[:1].expand(t.shape)  # every row is the first: stride 0 along dim 0
+    return t
+
+
 def _available_devices() -> list[str]:
     return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
 
@@ -95,6 +113,7 @@ def trees(
     batch_size: int | None = None,
     aliased: bool = True,
     non_tensor_leaves: bool = True,
+    views: bool = True,
     device: Any = "cpu",
 ) -> st.SearchStrategy[Any]:
     """Pytrees of tensors nested through dict, list, tuple, ``Pair`` (a NamedTuple) and None.
@@ -107,7 +126,9 @@ def trees(
     a node to optree but a leaf to ``torch.utils._pytree`` and so to
     ``torch.func``: without them, every leaf is a tensor in both views); with
     ``aliased``, one tensor object may stand at several leaf positions (tied
-    weights). At most ``max_leaves`` leaves.
+    weights); with ``views``, a tensor leaf may be a view that is not laid
+    out as a fresh tensor: transposed, strided, offset into a larger storage,
+    or expanded (stride 0). At most ``max_leaves`` leaves.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10)
@@ -131,6 +152,8 @@ def trees(
             lambda tail: [batch_size, *tail]
         )
     tensors = st.builds(_tensor, shapes, st.sampled_from(list(dtypes)), _SEEDS, st.just(device))
+    if views:
+        tensors = st.builds(_as_view, tensors, st.sampled_from(_VIEWS))
     base = tensors
     if non_tensor_leaves:
         base = base | st.one_of(
