@@ -191,10 +191,21 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
         out, _ = fr.apply(module, fr.State(params, s.buffers), *args, **kwargs)
         return _loss(out)
 
+    def loss_and_buffers(params: dict[str, torch.Tensor]) -> tuple[torch.Tensor, Any]:
+        out, new = fr.apply(module, fr.State(params, s.buffers), *args, **kwargs)
+        return _loss(out), new.buffers
+
     unchanged = Unchanged(s, inputs)
-    grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap, compress=compress)(
-        s.params
-    )
+    if p["has_aux"]:
+        grads, (value, aux) = fr.distributed.grad_and_value(
+            loss_and_buffers, bucket_cap_mb=cap, compress=compress, has_aux=True
+        )(s.params)
+        # aux is this rank's own: the buffers after its forward, as DDP's module holds them
+        assert_trees_close(aux, dict(reference.named_buffers()))
+    else:
+        grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap, compress=compress)(
+            s.params
+        )
     local, _ = fr.grad_and_value(loss_fn)(s.params)
     reduced = fr.distributed.all_reduce(local, bucket_cap_mb=cap, compress=compress)
     unchanged.check("fr.distributed.grad_and_value / all_reduce")

@@ -49,12 +49,13 @@ COMPRESS = st.sampled_from([None, "bf16", "fp16"])
 
 
 @examples(0.3)
-@given(modules(kinds=DDP_KINDS), CAPS, COMPRESS, st.data())
+@given(modules(kinds=DDP_KINDS), CAPS, COMPRESS, st.booleans(), st.data())
 def test_grad_and_value_equals_ddp(
     ranks: RankPool,
     pair: tuple[torch.nn.Module, Any],
     cap: float,
     compress: str | None,
+    has_aux: bool,
     data: st.DataObject,
 ):
     module, inputs = pair
@@ -62,7 +63,13 @@ def test_grad_and_value_equals_ddp(
     _all_ok(
         ranks.run(
             "grad_and_value",
-            {"module": module, "inputs": per_rank, "bucket_cap_mb": cap, "compress": compress},
+            {
+                "module": module,
+                "inputs": per_rank,
+                "bucket_cap_mb": cap,
+                "compress": compress,
+                "has_aux": has_aux,
+            },
         )
     )
 

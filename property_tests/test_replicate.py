@@ -107,3 +107,18 @@ def test_detached_replicas_carry_no_graph(tree: Any, devs: list[str]):
     tree = _with_grad(tree)
     for replica in fr.replicate(tree, devs, detach=True):
         assert all(x.grad_fn is None for x in optree.tree_leaves(replica))
+
+
+@given(trees(), devices(max_size=2), st.booleans())
+def test_replicas_on_the_meta_device_keep_structure_shapes_and_dtypes(
+    tree: Any, devs: list[str], detach: bool
+):
+    *real, meta = fr.replicate(tree, [*devs, "meta"], detach=detach)
+    assert optree.tree_structure(meta) == optree.tree_structure(tree)
+    for x, a in zip(optree.tree_leaves(meta), optree.tree_leaves(tree)):
+        if isinstance(a, torch.Tensor):
+            assert (x.device.type, x.dtype, x.shape) == ("meta", a.dtype, a.shape)
+        else:
+            assert x is a
+    for replica, dev in zip(real, devs):
+        assert_trees_close(replica, to_device(tree, dev))
