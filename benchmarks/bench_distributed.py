@@ -15,7 +15,9 @@ Sides of the training step (SGD, lr 0.01, ``F.cross_entropy``):
 - ``ddp``: ``DistributedDataParallel`` + ``torch.optim.SGD`` (foreach);
 - ``replicate``: composable ``replicate`` + the same optimiser;
 - ``fr``: ``fr.distributed.grad_and_value`` over ``fr.apply``, out-of-place
-  update ``torch._foreach_add(params, grads, alpha=-lr)``;
+  update ``torch._foreach_add(params, grads, alpha=-lr)``; ``check=False``:
+  the same without the per-call cross-rank layout check (one tiny
+  collective; DDP checks shapes once, at construction);
 - ``naive``: the straightforward functional step (the "before" of issue 6):
   ``fr.grad_and_value``, then one fresh flat buffer (``torch.cat``), one
   blocking ``dist.all_reduce``, split back, divided by the world size.
@@ -46,7 +48,9 @@ LR = 0.01
 TARGETS = {"many_small": 0.85, "small_mlp": 1.00, "mid_mlp": 1.00}
 
 
-def _fr_side(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+def _fr_side(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, *, check: bool = True
+) -> Callable[[], Any]:
     s = fr.state(model)
     names = list(s.params)
     params = [p.clone() for p in s.params.values()]
@@ -56,7 +60,7 @@ def _fr_side(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callab
         out, _ = fr.apply(model, fr.State(p, buffers), x)
         return F.cross_entropy(out, y)
 
-    grad_fn = fr.distributed.grad_and_value(loss_fn)
+    grad_fn = fr.distributed.grad_and_value(loss_fn, check=check)
 
     def step() -> Any:
         nonlocal params
@@ -175,6 +179,7 @@ def _bench_step(name: str, rounds: int, steps: int) -> tuple[list[float], list[f
         "ddp": _stateful_side(model, x, y, "ddp"),
         "replicate": _stateful_side(model, x, y, "replicate"),
         "fr": _fr_side(model, x, y),
+        "fr_nocheck": _fr_side(model, x, y, check=False),
         "naive": _naive_side(model, x, y),
     }
     worst = _agree(check)
@@ -185,6 +190,7 @@ def _bench_step(name: str, rounds: int, steps: int) -> tuple[list[float], list[f
         _stateful_side(model, x, y, "ddp"),
         _stateful_side(model, x, y, "replicate"),
         _fr_side(model, x, y),
+        _fr_side(model, x, y, check=False),
         _naive_side(model, x, y),
     ]
     return _ratios(sides, rounds, steps), [_faults(fn) for fn in sides]
@@ -249,13 +255,17 @@ def main() -> None:
         f"2 gloo ranks on 127.0.0.1, 1 thread each, torch {torch.__version__}; "
         f"{args.rounds} rounds x {args.steps} steps; median ratios (lower is better)"
     )
-    print(f"{'SGD step / DDP step':<24}{'replicate':>11}{'fr':>8}{'naive':>8}{'target(fr)':>12}")
+    head = f"{'replicate':>11}{'fr':>8}{'check=False':>13}{'naive':>8}"
+    print(f"{'SGD step / DDP step':<24}{head}{'target(fr)':>12}")
     for name in args.models:
-        _, rep, frr, naive = rows[name][0]
-        print(f"{name:<24}{rep:>11.3f}{frr:>8.3f}{naive:>8.3f}{TARGETS[name]:>12.2f}")
-    print(f"{'page faults / step':<24}{'ddp':>8}{'replicate':>11}{'fr':>8}{'naive':>8}  (rank 0)")
+        _, rep, frr, nocheck, naive = rows[name][0]
+        print(
+            f"{name:<24}{rep:>11.3f}{frr:>8.3f}{nocheck:>13.3f}{naive:>8.3f}{TARGETS[name]:>12.2f}"
+        )
+    print(f"{'page faults / step':<24}{'ddp':>8}{head}  (rank 0)")
     for name in args.models:
-        print(f"{name:<24}" + "".join(f"{f:>{w}.0f}" for f, w in zip(rows[name][1], (8, 11, 8, 8))))
+        widths = (8, 11, 8, 13, 8)
+        print(f"{name:<24}" + "".join(f"{f:>{w}.0f}" for f, w in zip(rows[name][1], widths)))
     _, ar, ar_nocheck = rows["all_reduce"]
     print(
         f"fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce: {ar:.3f} "

@@ -311,13 +311,16 @@ def _check_args(fn: str, op: str, compress: str | None) -> None:
 class _Reduction:
     """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
 
-    __slots__ = ("group", "launched", "op", "pending", "plan", "world")
+    __slots__ = ("check", "group", "launched", "op", "pending", "plan", "world")
 
-    def __init__(self, plan: _Plan, op: str, group: Any, world: int) -> None:
+    def __init__(
+        self, plan: _Plan, op: str, group: Any, world: int, check: Callable[[], None] | None
+    ) -> None:
         self.plan = plan
         self.op = op
         self.group = group
         self.world = world
+        self.check = check  # the cross-rank check, finished before the first bucket starts
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
@@ -339,6 +342,9 @@ class _Reduction:
         return runs, comm, res, red
 
     def start(self, staged: tuple[Any, ...]) -> None:
+        if self.check is not None:
+            check, self.check = self.check, None
+            check()
         runs, comm, res, red = staged
         work = dist.all_reduce(comm, op=red, group=self.group, async_op=True)
         self.pending.append((runs, comm, res, work))
@@ -407,12 +413,11 @@ def all_reduce(
         return tree
     with plan.lock:
         probe = plan.probe(group) if check else None
-        red = _Reduction(plan, op, group, world)
+        verify = (lambda: plan.verify(probe, tree, group, fn)) if probe is not None else None
+        red = _Reduction(plan, op, group, world, verify)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        # packing overlaps the check; no bucket may start before it passed on every rank
+        # packing overlaps the check; no bucket starts before it passed on every rank
         staged = [red.stage(b, bucket.pick(tensors)) for b, bucket in enumerate(plan.buckets)]
-        if probe is not None:
-            plan.verify(probe, tree, group, fn)
         for st in staged:
             red.start(st)
         results = red.finish()
@@ -599,13 +604,17 @@ def _overlapped(
 ) -> tuple[Any, Any]:
     """The backward pass with each bucket's all-reduce launched from gradient hooks.
 
-    The cross-rank check started by ``probe`` runs during the forward pass and
-    is verified before the backward pass, so before any bucket can start.
+    The cross-rank check started by ``probe`` runs during the forward and
+    backward passes and is finished before the first bucket starts.
     """
     fresh: list[torch.Tensor] = list(map(_REQUIRES_GRAD_, map(torch.Tensor.detach, leaves)))
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
-    red = _Reduction(plan, op, group, world)
+    tree = args[argnums]
+    # The check runs during the forward and backward passes; it is finished before the first
+    # bucket starts (from a gradient hook, or when the backward pass is over).
+    verify = (lambda: plan.verify(probe, tree, group, name)) if probe is not None else None
+    red = _Reduction(plan, op, group, world, verify)
     nb = len(plan.buckets)
     ready: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in plan.buckets]
     missing = [len(b.members) for b in plan.buckets]
@@ -632,8 +641,6 @@ def _overlapped(
     try:
         with torch.enable_grad():
             output = fn(*new_args, **kwargs)
-            if probe is not None:
-                plan.verify(probe, args[argnums], group, name)
             if has_aux:
                 if not (isinstance(output, tuple) and len(output) == 2):
                     raise RuntimeError(

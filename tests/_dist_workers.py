@@ -299,6 +299,14 @@ def mismatch_grad_after_cached(rank: int) -> Any:
 
 
 @scenario
+def mismatch_grad_in_hook(rank: int) -> Any:
+    """A bucket per tensor: the check fails inside a gradient hook, during the backward pass."""
+    params = {"a": torch.ones(2), "b": torch.ones(3 + rank)}
+    loss = lambda p: p["a"].sum() * p["b"].sum()  # noqa: E731
+    fr.distributed.grad_and_value(loss, bucket_cap_mb=1e-6)(params)
+
+
+@scenario
 def after_mismatch(rank: int) -> Any:
     """The group is still usable after the mismatches above: every rank took the same path."""
     return fr.distributed.all_reduce({"x": torch.full((2,), float(rank))}, op="sum")
