@@ -252,6 +252,8 @@ def check_broadcast(rank: int, p: dict[str, Any]) -> None:
 def check_mismatch(rank: int, p: dict[str, Any]) -> str:
     """Trees that differ across ranks raise ValueError on every rank (never hang)."""
     tree = p["trees"][rank]
+    if p["reduced_before"]:
+        fr.distributed.all_reduce(p["trees"][0], op="sum")
     try:
         fr.distributed.all_reduce(tree, op="sum")
     except ValueError as err:

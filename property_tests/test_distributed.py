@@ -9,7 +9,6 @@ as each one costs a few collectives; every wait is bounded.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -95,14 +94,13 @@ def test_broadcast_gives_every_rank_the_source_values(
     _all_ok(ranks.run("broadcast", {"tree": tree, "src": src, "seed": seed}))
 
 
-_FRESH = itertools.count()
-
-
 @examples(0.2)
-@given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.data())
+@given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.booleans(), st.data())
 def test_trees_that_differ_across_ranks_raise_on_every_rank(
-    ranks: RankPool, tree: Any, data: st.DataObject
+    ranks: RankPool, tree: Any, reduced_before: bool, data: st.DataObject
 ):
+    # reduced_before: both ranks first reduce rank 0's tree, so that rank 0 meets a layout it
+    # has already seen (tests/test_regressions.py has the bug this once found)
     leaves, spec = optree.tree_flatten(tree)
     at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     if not at:
@@ -110,11 +108,7 @@ def test_trees_that_differ_across_ranks_raise_on_every_rank(
     i = data.draw(st.sampled_from(at), label="bent leaf")
     bent = list(leaves)
     bent[i] = torch.zeros(leaves[i].numel() + 1, dtype=leaves[i].dtype)  # another shape
-    # A layout new to both ranks: when one rank has reduced its layout before, fr.distributed
-    # skips the cross-rank check there and gloo aborts (xfail in tests/test_regressions.py);
-    # drop this fresh key once that is fixed.
-    fresh = f"example {next(_FRESH)}"
-    pair = [{fresh: tree}, {fresh: optree.tree_unflatten(spec, bent)}]
-    messages = _all_ok(ranks.run("mismatch", {"trees": pair}))
+    pair = [tree, optree.tree_unflatten(spec, bent)]
+    messages = _all_ok(ranks.run("mismatch", {"trees": pair, "reduced_before": reduced_before}))
     for message in messages:
         assert message.startswith("fr.distributed.all_reduce")

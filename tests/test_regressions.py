@@ -1,14 +1,12 @@
 """Regressions found by the property suite (property_tests/), one test per bug, smallest repro.
 
-A bug in code this file's author does not own is marked ``xfail(strict=True)``
-until its owner fixes it: the fix turns the test into an unexpected pass,
-which fails the suite until the mark (and any ``assume`` in the property that
-steps around the bug) is removed.
+A bug in code this file's author does not own was first marked
+``xfail(strict=True)`` until its owner fixed it (the fix then failed the
+suite as an unexpected pass until the mark was removed); both below are fixed.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
@@ -73,16 +71,11 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fr.distributed.all_reduce checks a layout across ranks only the first time it sees "
-    "it: when rank 0's tree has a layout it already checked and rank 1's differs, rank 0 "
-    "reduces while rank 1 runs the check collective, and gloo aborts rank 0 (SIGABRT) instead "
-    "of a ValueError on every rank: owner must fix (freplicate/_distributed.py, _Plan.check)",
-)
 def test_distributed_mismatch_after_a_cached_layout_raises_on_every_rank(tmp_path):
     # found by property_tests/test_distributed.py, when the mismatch property ran after the
-    # all_reduce property had reduced the same layout on both ranks
+    # all_reduce property had reduced the same layout on both ranks: fr.distributed checked a
+    # layout across ranks only the first time it saw it, so rank 0 (layout already checked)
+    # reduced while rank 1 ran the check collective, and gloo aborted rank 0 (SIGABRT)
     import subprocess
     import sys
 

@@ -59,7 +59,10 @@ _VIEWS = ("fresh", "transposed", "strided", "offset", "expanded")
 
 
 def _as_view(t: torch.Tensor, how: str) -> torch.Tensor:
-    """A tensor equal to ``t`` that is a view of another layout (``how``), where ``t`` allows."""
+    """``t`` as a view of another layout (``how``), where its shape allows one.
+
+    Equal to ``t``, except ``"expanded"``, whose rows all repeat ``t``'s first.
+    """
     if how == "transposed" and t.dim() >= 2:
         return t.mT.contiguous().mT
     if how == "strided" and t.dim() >= 1:
