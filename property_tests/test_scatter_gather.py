@@ -136,3 +136,19 @@ def test_gather_returns_unequal_non_tensor_leaves_as_a_tuple(tree: Any, devs: li
         if not isinstance(column[0], torch.Tensor):
             expected = column[0] if len(devs) == 1 else column
             assert x == expected
+
+
+@given(trees(max_leaves=5), devices())
+def test_leaves_of_different_lengths_give_the_fewest_chunks(tree: Any, devs: list[str]):
+    # every tensor leaf at least 1-D (0-dim ones cannot be split), lengths drawn independently
+    tree = optree.tree_map(lambda x: x.reshape(1) if _is_0_dim(x) else x, tree)
+    shards = fr.scatter(tree, devs)
+    chunks = [t.chunk(len(devs)) for t in tensor_leaves(tree)]
+    assert len(shards) == min((len(c) for c in chunks), default=len(devs))
+    for i, shard in enumerate(shards):
+        for x, c in zip(tensor_leaves(shard), chunks):
+            torch.testing.assert_close(x, c[i].to(devs[i]), rtol=0, atol=0)
+
+
+def _is_0_dim(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.dim() == 0
