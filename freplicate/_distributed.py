@@ -409,7 +409,9 @@ def all_reduce(
         return tree
     _not_transformed(fn)
     plan, leaves = _plan_for(tree, fn, op, bucket_cap_mb, compress, None)
-    if not plan.unique:
+    if not plan.unique:  # nothing to reduce; the check still catches a rank that has tensors
+        if check:
+            plan.verify(plan.probe(group), tree, group, fn)
         return tree
     with plan.lock:
         probe = plan.probe(group) if check else None
@@ -448,7 +450,9 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
             f"{fn}: src={src} is not a rank of the default group (0..{dist.get_world_size() - 1})"
         )
     plan, leaves = _plan_for(tree, fn, "sum", 25.0, None, src)
-    if not plan.unique:
+    if not plan.unique:  # nothing to send; the check still catches a rank that has tensors
+        if check:
+            plan.verify(plan.probe(group), tree, group, fn)
         return tree
     root = dist.get_rank() == src
     with plan.lock:

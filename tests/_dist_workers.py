@@ -230,6 +230,31 @@ def reduce_reuse(rank: int) -> dict[str, Any]:
     }
 
 
+def odd_tree(rank: int) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(300 + rank)
+    return {
+        "scalar": torch.tensor(float(rank + 1)),
+        "empty": torch.ones(0, 3),
+        "complex": torch.randn(3, dtype=torch.complex64, generator=g),
+        "transposed": torch.randn(3, 4, generator=g).t(),
+        "param": torch.nn.Parameter(torch.randn(2, generator=g)),
+    }
+
+
+@scenario
+def reduce_odd_leaves(rank: int) -> dict[str, Any]:
+    """0-dim, empty, complex, non-contiguous leaves and a Parameter: reduced as they are."""
+    tree = odd_tree(rank)
+    snap = snapshot(tree)
+    a, b = odd_tree(0), odd_tree(1)
+    return {
+        "out": fr.distributed.all_reduce(tree),
+        "expected": {k: ((a[k] + b[k]) / 2).detach() for k in a},
+        "unchanged": unchanged(tree, snap),
+        "empty_tree": fr.distributed.all_reduce({"n": 3}),
+    }
+
+
 @scenario
 def reduce_small_buckets(rank: int) -> dict[str, Any]:
     tree = floats_of(rank)
@@ -271,6 +296,12 @@ def mismatch_structure(rank: int) -> Any:
 @scenario
 def mismatch_dtype(rank: int) -> Any:
     fr.distributed.broadcast({"a": torch.ones(3, dtype=torch.float64 if rank else torch.float32)})
+
+
+@scenario
+def mismatch_empty(rank: int) -> Any:
+    """One rank has no tensor at all: still a ValueError on both, not a hang."""
+    fr.distributed.all_reduce({"a": torch.ones(2) if rank else None})
 
 
 @scenario

@@ -84,6 +84,14 @@ def test_all_reduce_reuses_buffers_without_aliasing(job):
         torch.testing.assert_close(r["grad"], r["exp_w"])
 
 
+def test_all_reduce_odd_leaves(job):
+    for r in ok(job, "reduce_odd_leaves"):
+        close(r["out"], r["expected"])
+        assert r["out"]["transposed"].shape == (4, 3) and r["out"]["empty"].shape == (0, 3)
+        assert not r["out"]["param"].requires_grad
+        assert r["unchanged"] and r["empty_tree"] == {"n": 3}
+
+
 def test_all_reduce_tiny_buckets_equal(job):
     for r in ok(job, "reduce_small_buckets"):
         close(r["tiny"], r["default"], rtol=0, atol=0)
@@ -113,6 +121,10 @@ def test_mismatched_shapes_raise_on_every_rank(job):
 
 def test_mismatched_structure_raises_on_every_rank(job):
     raised(job, "mismatch_structure", "ValueError", r"structure differs across ranks.*rank 1")
+
+
+def test_a_rank_without_tensors_raises_too(job):
+    raised(job, "mismatch_empty", "ValueError", r"structure differs across ranks.*\['a'\]")
 
 
 def test_mismatched_dtype_raises_in_broadcast(job):
