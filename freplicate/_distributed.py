@@ -34,7 +34,8 @@ from torch._C._functorch import maybe_current_level
 
 from ._grad import grad_and_value as _local_grad_and_value
 from ._pack import FlatPool, buckets, check_packable, group_by
-from ._tree import LazyPaths, first_difference, paths_of
+from ._tree import LazyPaths, _one_level, path_str, paths_of
+from ._tree import _describe as _tree_describe
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
 
@@ -174,8 +175,23 @@ def _comm_device(group: Any) -> torch.device:
 
 def _leaf_desc(x: Any) -> str:
     if isinstance(x, torch.Tensor):
-        return f"tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return "a non-tensor leaf"
+        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return f"a leaf of type {type(x).__name__}"
+
+
+def _structure_diff(a: Any, b: Any, path: Any) -> tuple[str, str, str]:
+    """The first path where two skeletons (tensors described as text) differ, and what is there."""
+
+    def describe(node: Any) -> str:
+        return node if isinstance(node, str) else _tree_describe(node)
+
+    acc_a, kids_a, spec_a = _one_level(a)
+    _, kids_b, spec_b = _one_level(b)
+    if spec_a == spec_b and spec_a.num_children:
+        for acc, ka, kb in zip(acc_a, kids_a, kids_b):
+            if optree.tree_structure(ka) != optree.tree_structure(kb):
+                return _structure_diff(ka, kb, path + acc)
+    return (path_str(path) if len(path) else "the root"), describe(a), describe(b)
 
 
 def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
@@ -191,12 +207,10 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
         if spec_r != spec0:
             where = None
             if everyone[0][0] is not None and skeleton is not None:
-                trees = [pickle.loads(everyone[0][0]), pickle.loads(skeleton)]
-                where = first_difference(
-                    [optree.tree_structure(t) for t in trees], trees, what="rank"
+                at, mine, theirs = _structure_diff(
+                    pickle.loads(everyone[0][0]), pickle.loads(skeleton), optree.PyTreeAccessor()
                 )
-                if where is not None:
-                    where = where.replace(" in rank 1", f" in rank {r}")
+                where = f"at {at}: {mine} on rank 0, {theirs} on rank {r}"
             return (
                 "the tree's structure differs across ranks: "
                 + (where or f"{spec0} on rank 0, {spec_r} on rank {r}")
