@@ -356,6 +356,25 @@ def broadcasts(rank: int) -> dict[str, Any]:
     }
 
 
+@scenario
+def buffers_mean(rank: int) -> dict[str, Any]:
+    """sync_buffers(mode="mean"): floating buffers averaged, the others from rank 0."""
+    bn = nn.BatchNorm1d(3)
+    bn(torch.randn(8, 3, generator=torch.Generator().manual_seed(rank)))  # rank-local statistics
+    buffers = fr.state(bn).buffers
+    if rank == 1:
+        buffers = {**buffers, "num_batches_tracked": torch.tensor(5)}
+    snap = snapshot(buffers)
+    everyone = [None, None]
+    dist.all_gather_object(everyone, buffers)  # the oracle: every rank's buffers
+    return {
+        "mean": fr.distributed.sync_buffers(buffers, mode="mean"),
+        "broadcast": fr.distributed.sync_buffers(buffers, src=1),
+        "everyone": everyone,
+        "unchanged": unchanged(buffers, snap),
+    }
+
+
 # --- training against DDP and composable replicate --------------------------------------
 
 

@@ -181,6 +181,16 @@ def test_broadcast_from_each_source(job):
         assert r["unchanged"]
 
 
+def test_sync_buffers_mean_and_broadcast(job):
+    for r in ok(job, "buffers_mean"):
+        b0, b1 = r["everyone"]
+        for k in ("running_mean", "running_var"):
+            torch.testing.assert_close(r["mean"][k], (b0[k] + b1[k]) / 2)
+        assert int(r["mean"]["num_batches_tracked"]) == 1  # rank 0's, not averaged
+        close(r["broadcast"], b1, rtol=0, atol=0)
+        assert r["unchanged"]
+
+
 # --- grad_and_value against DDP and composable replicate --------------------------------
 
 
