@@ -14,6 +14,9 @@ every step:
 2. DDP-style gradient averaging. ``fr.data_parallel_grad`` (per-device
    gradients, all-reduced) against a stateful full-batch step with
    ``torch.optim.SGD``, which it equals for equal shards and a mean loss.
+3. Two processes. ``fr.distributed.grad_and_value`` against
+   ``DistributedDataParallel`` + ``torch.optim.SGD`` on 2 gloo ranks spawned on
+   this machine (loopback only, bounded timeouts), each rank on its own data.
 
 Only the public face (``import freplicate as fr``) is used, as a user would.
 """
@@ -21,9 +24,15 @@ Only the public face (``import freplicate as fr``) is used, as a user would.
 from __future__ import annotations
 
 import copy
+import os
+import socket
 from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -43,8 +52,8 @@ def _model() -> nn.Module:
     )
 
 
-def _batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1)
+def _batches(steps: int, batch: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
     return [
         (torch.randn(batch, 8, generator=g), torch.randint(0, 4, (batch,), generator=g))
         for _ in range(steps)
@@ -164,6 +173,8 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
         ok &= dpar < tol and abs(float(loss) - float(ref_loss.detach())) < tol
         print(f"   {i:>4} {float(loss):>12.6f} {float(ref_loss.detach()):>16.6f} {dpar:>16.2e}")
 
+    ok &= _two_processes(steps, batch, tol)
+
     print(
         "\n"
         + (
@@ -172,5 +183,81 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
             else "MISMATCH: the functional and stateful paths disagree."
         )
     )
-    print("Across processes (fr.distributed vs DDP over gloo), see examples/torchrun_train.py.")
+    print("The same across processes under torchrun: examples/torchrun_train.py.")
+    return ok
+
+
+def _rank(rank: int, port: int, steps: int, batch: int, out: Any) -> None:
+    """One rank of part 3: train DDP and fr.distributed side by side from one init."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(rank)  # different inits: both sides start from rank 0's
+        model = _model()
+        ddp = DistributedDataParallel(copy.deepcopy(model))  # broadcasts rank 0's state
+        opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+        state = fr.distributed.broadcast(fr.state(model))  # the same, as a function
+        params, buffers = state.params, state.buffers
+
+        def loss_fn(p, b, x, y):
+            out, new = fr.apply(model, fr.State(p, b), x)
+            return F.cross_entropy(out, y), new.buffers
+
+        step = fr.distributed.grad_and_value(loss_fn, has_aux=True)
+        rows = []
+        for x, y in _batches(steps, batch, seed=100 + rank):  # each rank its own data
+            opt.zero_grad(set_to_none=True)
+            ref = F.cross_entropy(ddp(x), y)
+            ref.backward()
+            opt.step()
+            buffers = fr.distributed.sync_buffers(buffers)  # DDP's buffer policy
+            grads, (loss, buffers) = step(params, buffers, x, y)
+            params = {k: p - LR * grads[k] for k, p in params.items()}
+            mod = ddp.module
+            rows.append(
+                (
+                    float(loss),
+                    float(ref.detach()),
+                    _max_diff(params, dict(mod.named_parameters())),
+                    _max_diff(buffers, dict(mod.named_buffers())),
+                )
+            )
+        out.put((rank, rows))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_processes(steps: int, batch: int, tol: float, timeout: float = 120.0) -> bool:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    print(
+        "\n3. fr.distributed.grad_and_value  vs  DistributedDataParallel, 2 gloo ranks on 127.0.0.1"
+    )
+    procs = [ctx.Process(target=_rank, args=(r, port, steps, batch, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.kill()
+    if alive or any(p.exitcode != 0 for p in procs):
+        print(f"   the ranks did not finish cleanly (exit codes {[p.exitcode for p in procs]})")
+        return False
+    results = dict(out.get() for _ in procs)
+    print(
+        f"   {'step':>4} {'rank':>4} {'loss (fr)':>12} {'loss (DDP)':>12} {'max |Δ params|':>16} {'max |Δ buffers|':>16}"
+    )
+    ok = True
+    for i in range(steps):
+        for r in (0, 1):
+            loss, ref, dpar, dbuf = results[r][i]
+            ok &= dpar < tol and dbuf < tol and abs(loss - ref) < tol
+            print(f"   {i:>4} {r:>4} {loss:>12.6f} {ref:>12.6f} {dpar:>16.2e} {dbuf:>16.2e}")
     return ok
