@@ -85,7 +85,15 @@ _Slots = list[tuple[dict[str, Any], str, str, dict[str, Any]]]
 class _Skeleton:
     """One shallow copy of a module tree, with its own tensor and child dicts."""
 
-    __slots__ = ("buffer_slots", "dicts", "own", "param_slots", "root")
+    __slots__ = (
+        "buffer_slots",
+        "dicts",
+        "own",
+        "param_dicts",
+        "param_origs",
+        "param_slots",
+        "root",
+    )
 
     def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
         copies: list[nn.Module] = list(mods)  # a module without tensors below it is used as is
@@ -111,6 +119,9 @@ class _Skeleton:
             (copies[i]._parameters, key, canon, mods[i]._parameters)
             for i, key, canon in binder.param_slots
         ]
+        # the same, column-wise, for the C-speed binding of a complete ``params``
+        self.param_dicts = [d for d, _, _, _ in self.param_slots]
+        self.param_origs = [od for _, _, _, od in self.param_slots]
         self.buffer_slots: _Slots = [
             (copies[i]._buffers, key, canon, mods[i]._buffers)
             for i, key, canon in binder.buffer_slots
@@ -126,7 +137,16 @@ class _Binder:
         self.generation = _GENERATION[0]
         self.mods_ref = [weakref.ref(m) for m in mods]
         self.orig_dicts = [m.__dict__ for m in mods]
-        self.children_snapshot = [dict(m._modules) for m in mods]
+        # Children change without a registration hook only through direct edits of
+        # ``_modules`` (``del seq[1]``, ``seq.insert``, ``seq.pop``): watch the
+        # modules that have children, and the containers that make such edits.
+        watched = [
+            m
+            for m in mods
+            if m._modules or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
+        ]
+        self.watched_dicts = [m.__dict__ for m in watched]
+        self.children_snapshot = [dict(m._modules) for m in watched]
         self.children = [
             [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
             for m in mods
@@ -155,6 +175,9 @@ class _Binder:
             for key, b in m._buffers.items()
             if b is not None
         ]
+        self.param_keys = [key for _, key, _ in self.param_slots]
+        self.param_canon = [canon for _, _, canon in self.param_slots]
+        self.param_names = frozenset(self.param_canon)
         self.buffer_names = list(dict.fromkeys(c for _, _, c in self.buffer_slots))
         # Only modules with a tensor somewhere below them need a copy of their own;
         # the rest (activations, dropout, ...) hold nothing to bind, and the skeleton
@@ -176,7 +199,7 @@ class _Binder:
     def children_unchanged(self) -> bool:
         # Deleting or inserting a child (``del seq[1]``, ``seq.insert``) fires no
         # registration hook; children compare by identity, at C speed.
-        return all(map(operator.eq, map(_MODULES, self.orig_dicts), self.children_snapshot))
+        return all(map(operator.eq, map(_MODULES, self.watched_dicts), self.children_snapshot))
 
     def same_structure(self, other: _Binder) -> bool:
         return (
@@ -278,13 +301,17 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
                     sd.update(od)
                     sd.update(own)
         pget, bget = params.get, buffers.get
-        for d, key, canon, od in skel.param_slots:
-            v = pget(canon, _MISSING)
-            if v is _MISSING:
-                v = bget(canon, _MISSING)
+        if params.keys() >= b.param_names:  # every parameter given: bind at C speed
+            values = map(params.__getitem__, b.param_canon)
+            deque(map(operator.setitem, skel.param_dicts, b.param_keys, values), 0)
+        else:
+            for d, key, canon, od in skel.param_slots:
+                v = pget(canon, _MISSING)
                 if v is _MISSING:
-                    v = od[key]
-            d[key] = v
+                    v = bget(canon, _MISSING)
+                    if v is _MISSING:
+                        v = od[key]
+                d[key] = v
         copies: dict[str, torch.Tensor] = {}
         for d, key, canon, od in skel.buffer_slots:
             v = copies.get(canon)
@@ -299,8 +326,10 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
         out = skel.root(*args, **kwargs)
         new_buffers = {canon: d[key] for d, key, canon, _ in skel.buffer_slots}
     finally:
-        for d, key, _, od in skel.param_slots:
-            d[key] = od.get(key)
+        # unbind (back to the module's own tensors), so that a pooled skeleton
+        # keeps no caller's tensor alive
+        originals = map(dict.get, skel.param_origs, b.param_keys)
+        deque(map(operator.setitem, skel.param_dicts, b.param_keys, originals), 0)
         for d, key, _, od in skel.buffer_slots:
             d[key] = od.get(key)
         b.release(skel)
