@@ -103,6 +103,24 @@ def forward_sides(model: nn.Module, x: torch.Tensor) -> list[Callable[[], Any]]:
     return sides
 
 
+def keep_last(side: Callable[[], Any]) -> Callable[[], Any]:
+    """Hold a side's last result until its next call, as the stateful side holds ``.grad``.
+
+    The stateful step frees its previous gradients (``zero_grad(set_to_none=True)``)
+    and keeps the new ones in the module until its next call; a training loop
+    keeps a functional step's gradients just as long. Dropping them at once
+    instead would give the two sides different heap histories (and page faults).
+    """
+    last: list[Any] = []
+
+    def run() -> Any:
+        last.clear()
+        last.append(side())
+        return last[0]
+
+    return run
+
+
 def grad_sides(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[Callable[[], Any]]:
     s = fr.state(model)
 
@@ -127,9 +145,9 @@ def grad_sides(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[Calla
 
     sides = [
         stateful,
-        lambda: fr_g(s.params, x, y),
-        lambda: func_g(s.params, x, y),
-        autograd_fc,
+        keep_last(lambda: fr_g(s.params, x, y)),
+        keep_last(lambda: func_g(s.params, x, y)),
+        keep_last(autograd_fc),
     ]
     ref_grads, ref_value = stateful()
     ref_grads = {k: g.clone() for k, g in ref_grads.items()}
