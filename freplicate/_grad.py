@@ -83,40 +83,49 @@ def grad_and_value(
             specs.append((spec, len(fresh)))
             new_args[n] = optree.tree_unflatten(spec, fresh)
         with torch.enable_grad():
-            output = fn(*new_args, **kwargs)
-            if has_aux:
-                if not (isinstance(output, tuple) and len(output) == 2):
-                    raise RuntimeError(
-                        "fr.grad_and_value(f, has_aux=True): f must return a (output, aux) tuple"
-                    )
-                value, aux = output
-            else:
-                value, aux = output, None
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                shape = (
-                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                )
-                raise RuntimeError(
-                    f"fr.grad_and_value: expected f(*args) to return a scalar tensor, got {shape}"
-                )
-            if value.requires_grad and diff_leaves:
-                grads = torch.autograd.grad(
-                    value, diff_leaves, allow_unused=True, materialize_grads=True
-                )
-            else:
-                grads = tuple(torch.zeros_like(t) for t in diff_leaves)
+            value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+            grads = gradients(value, diff_leaves)
         trees = []
         start = 0
         for spec, count in specs:
             trees.append(optree.tree_unflatten(spec, list(grads[start : start + count])))
             start += count
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
-        value = value.detach()
-        if has_aux:
-            aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-            return result, (value, aux)
-        return result, value
+        return result, detached(value, aux, has_aux)
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"grad_and_value({getattr(fn, '__name__', 'fn')})"
     return wrapper
+
+
+# The steps shared with fr.distributed.grad_and_value, which runs the same fast path.
+
+
+def split_output(output: Any, has_aux: bool, name: str) -> tuple[torch.Tensor, Any]:
+    """``(value, aux)`` of ``fn``'s output; ``RuntimeError`` unless ``value`` is a scalar tensor."""
+    if has_aux:
+        if not (isinstance(output, tuple) and len(output) == 2):
+            raise RuntimeError(f"{name}(f, has_aux=True): f must return a (output, aux) tuple")
+        value, aux = output
+    else:
+        value, aux = output, None
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise RuntimeError(f"{name}: expected f(*args) to return a scalar tensor, got {shape}")
+    return value, aux
+
+
+def gradients(value: torch.Tensor, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """d value / d leaves, zeros for leaves that do not reach ``value`` (as torch.func)."""
+    if value.requires_grad and leaves:
+        return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
+    return tuple(torch.zeros_like(t) for t in leaves)
+
+
+def detached(value: torch.Tensor, aux: Any, has_aux: bool) -> Any:
+    """What torch.func returns beside the gradients: ``value``, or ``(value, aux)``, unwrapped."""
+    if not has_aux:
+        return value.detach()
+    return value.detach(), optree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux
+    )
