@@ -42,6 +42,10 @@ __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
 _OPS = ("sum", "mean")
 _COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 _PLAN_CACHE_SIZE = 16
+# DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so it starts early in the
+# backward pass, and the layout check it carries (``_agree``) is read back soon and cheaply.
+_FIRST_BUCKET_BYTES = 1024 * 1024
+_FLAGS = 2  # the check's two trailing elements of a plan's first bucket: [poisoned, 1 - poisoned]
 
 
 def _world(group: Any) -> int:
@@ -57,13 +61,19 @@ class _Bucket:
     ``results`` holds buffers in the leaves' dtype, reduced in place and
     handed out as views (reused once those views are gone); ``comm``, only
     where the bucket travels in another dtype (compression, booleans), is
-    the plan's private buffer in that dtype.
+    the plan's private buffer in that dtype. The plan's first bucket has
+    ``extra=_FLAGS`` spare elements at the end of both: the layout check's flags.
     """
 
-    __slots__ = ("comm", "comm_dtype", "dtype", "members", "pick", "results")
+    __slots__ = ("clear", "comm", "comm_dtype", "dtype", "members", "pick", "red", "results")
 
     def __init__(
-        self, members: list[int], tensors: Sequence[torch.Tensor], comm_dtype: torch.dtype
+        self,
+        members: list[int],
+        tensors: Sequence[torch.Tensor],
+        comm_dtype: torch.dtype,
+        *,
+        extra: int,
     ) -> None:
         self.members = members
         # picks this bucket's tensors, in order, out of a list in the plan's tensor order
@@ -71,13 +81,17 @@ class _Bucket:
         first = tensors[0]
         self.dtype = first.dtype
         self.comm_dtype = comm_dtype
+        # booleans travel as uint8 reduced with MAX: a logical or, as ``a + b`` on bools
+        self.red = dist.ReduceOp.MAX if first.dtype == torch.bool else dist.ReduceOp.SUM
         shapes = [t.shape for t in tensors]
-        self.results = FlatPool(shapes, first.dtype, first.device)
+        self.results = FlatPool(shapes, first.dtype, first.device, extra=extra)
         self.comm = (
-            FlatPool(shapes, comm_dtype, first.device, keep=1)
+            FlatPool(shapes, comm_dtype, first.device, keep=1, extra=extra)
             if comm_dtype != first.dtype
             else None
         )
+        # the flags of a call on the agreed layout: nobody poisoned, one "on the fast path"
+        self.clear = torch.tensor([0, 1], dtype=comm_dtype, device=first.device) if extra else None
 
 
 class _Plan:
@@ -121,11 +135,17 @@ class _Plan:
             elif dtype == torch.bool:
                 comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
             numels = [tensors[k].numel() for k in members]
-            for run in buckets(numels, comm.itemsize, cap_bytes):
+            runs = buckets(numels, comm.itemsize, cap_bytes)
+            if not self.buckets:  # the plan's first bucket: DDP's smaller cap
+                cut = buckets(numels, comm.itemsize, min(cap_bytes, _FIRST_BUCKET_BYTES))[0]
+                rest = buckets(numels[cut.stop :], comm.itemsize, cap_bytes)
+                runs = [cut] + [range(r.start + cut.stop, r.stop + cut.stop) for r in rest]
+            for run in runs:
                 # equal shapes side by side: one stack packs them, one unbind views them back
                 by_shape = group_by([tensors[members[r]] for r in run], lambda t: t.shape)
                 ids = [members[run[p]] for same in by_shape.values() for p in same]
-                self.buckets.append(_Bucket(ids, [tensors[k] for k in ids], comm))
+                extra = 0 if self.buckets else _FLAGS
+                self.buckets.append(_Bucket(ids, [tensors[k] for k in ids], comm, extra=extra))
         # results come out bucket by bucket; this puts them back in the order of the tensors
         where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
         inverse = [where[k] for k in range(len(tensors))]
@@ -135,6 +155,22 @@ class _Plan:
         self.description = (str(spec), sig, slot, options)
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
         self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
+        # what a rank on another layout needs to mirror this plan's first collective (``_agree``)
+        self.first: tuple[int, torch.dtype, torch.device, Any] | None = None
+        if self.buckets:
+            b0 = self.buckets[0]
+            self.first = (b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
+
+    def speculates(self, world: int) -> bool:
+        """Whether calls may run on the fast path, the check carried by the first bucket's flags.
+
+        A flag slot sums up to ``world``: it must not wrap round to 0 in a
+        byte-sized integer bucket (bool buckets reduce with MAX: no sum).
+        """
+        if self.first is None:
+            return False
+        _, dtype, _, red = self.first
+        return dtype.itemsize > 1 or red == dist.ReduceOp.MAX or world < 256
 
     def probe(self, group: Any) -> tuple[torch.Tensor, Any]:
         """Start this call's cross-rank check: the fingerprint and its negation, MAX-reduced."""
@@ -148,6 +184,10 @@ class _Plan:
         if int(t[0]) == self.fingerprint and int(t[1]) == -self.fingerprint:
             return
         # Every rank saw the difference, so every rank takes this slower path together.
+        self.mismatch(tree, group, fn)
+
+    def mismatch(self, tree: Any, group: Any, fn: str) -> None:
+        """Raise ``ValueError`` naming how the layouts differ; every rank calls it together."""
         try:
             skeleton: bytes | None = pickle.dumps(optree.tree_map(_leaf_desc, tree))
         except Exception:  # a node type that does not pickle: compare the spec text only
@@ -234,6 +274,10 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
 
 
 _PLANS: dict[Any, _Plan] = {}
+# Per process group: (fingerprint, first collective) of the *agreed* layout, the last one whose
+# full check passed on every rank. Identical on every rank, as it changes only after a collective
+# verdict (see ``_agree``); kept apart from ``_PLANS``, whose evictions are per rank.
+_AGREED: dict[Any, tuple[int, tuple[int, torch.dtype, torch.device, Any]]] = {}
 _SIG = operator.attrgetter("shape", "dtype", "device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
@@ -291,6 +335,40 @@ def _plan_for(
     return plan, leaves
 
 
+def _agree(plan: _Plan, tree: Any, group: Any, world: int, fn: str) -> bool:
+    """The cross-rank layout check before a call's first bucket; ``True``: the fast path.
+
+    On the fast path (``plan`` is the group's agreed layout) nothing is sent
+    here: the first bucket carries flags ``[0, 1]`` and ``_Reduction`` reads
+    them back before the second bucket starts (or before returning). Any
+    other call first *mirrors* the agreed layout's first collective (same
+    size, dtype and op, zeros and flags ``[1, 0]``), so ranks on the fast path
+    and ranks here meet in one collective and read the same sums: a rank on
+    the fast path sees slot 0 poisoned, a rank here sees slot 1 set, and all
+    of them raise through ``_Plan.mismatch`` together. When nobody is on the
+    fast path, the full check runs (``probe``, ``verify``) and, passed on
+    every rank, makes ``plan`` the agreed layout everywhere at once. A second
+    agreed layout per group would be unsafe: two ranks each on a different
+    agreed layout would start first buckets of different sizes.
+    """
+    key = dist.group.WORLD if group is None else group
+    agreed = _AGREED.get(key)
+    speculates = plan.speculates(world)
+    if agreed is not None:
+        if speculates and agreed[0] == plan.fingerprint:
+            return True
+        numel, dtype, device, red = agreed[1]
+        mirror = torch.zeros(numel, dtype=dtype, device=device)
+        mirror[-_FLAGS] = 1
+        dist.all_reduce(mirror, op=red, group=group)
+        if mirror[-1].item() != 0:  # someone ran the agreed layout
+            plan.mismatch(tree, group, fn)
+    plan.verify(plan.probe(group), tree, group, fn)
+    if speculates:
+        _AGREED[key] = (plan.fingerprint, plan.first)  # type: ignore[assignment]
+    return False
+
+
 def _rebuild(plan: _Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> Any:
     """The tree of ``results`` (one per unique tensor), non-tensor leaves passed through."""
     if plan.bare:
@@ -325,16 +403,17 @@ def _check_args(fn: str, op: str, compress: str | None) -> None:
 class _Reduction:
     """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
 
-    __slots__ = ("check", "group", "launched", "op", "pending", "plan", "world")
+    __slots__ = ("group", "launched", "op", "pending", "plan", "poisoned", "world")
 
     def __init__(
-        self, plan: _Plan, op: str, group: Any, world: int, check: Callable[[], None] | None
+        self, plan: _Plan, op: str, group: Any, world: int, poisoned: Callable[[], None] | None
     ) -> None:
         self.plan = plan
         self.op = op
         self.group = group
         self.world = world
-        self.check = check  # the cross-rank check, finished before the first bucket starts
+        # on the fast path of the layout check: what to do if the first bucket's flags are poisoned
+        self.poisoned = poisoned
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
@@ -342,7 +421,6 @@ class _Reduction:
         """Pack bucket ``b`` from ``tensors`` (its members, in order), ready to start."""
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
-        red = dist.ReduceOp.SUM
         # a mean divides before the sum, as DDP does: one pass with the copy, no overflow in fp16
         div = self.world if self.op == "mean" else 1
         if bucket.comm is None:
@@ -351,18 +429,25 @@ class _Reduction:
         else:
             comm, comm_runs = bucket.comm.take()
             bucket.comm.pack(comm_runs, tensors, div=div)
-            if bucket.comm_dtype == torch.uint8:
-                red = dist.ReduceOp.MAX  # booleans: a logical or
-        return runs, comm, res, red
+        if bucket.clear is not None:
+            comm[-_FLAGS:].copy_(bucket.clear)
+        return runs, comm, res, bucket.red
 
     def start(self, staged: tuple[Any, ...]) -> None:
-        if self.check is not None:
-            check, self.check = self.check, None
-            check()
+        if self.launched == 1 and self.poisoned is not None:
+            self.confirm()  # no second bucket before every rank is known to run this layout
         runs, comm, res, red = staged
         work = dist.all_reduce(comm, op=red, group=self.group, async_op=True)
         self.pending.append((runs, comm, res, work))
         self.launched += 1
+
+    def confirm(self) -> None:
+        """Wait for the first bucket and read its flags: the fast path's layout check."""
+        poisoned, self.poisoned = self.poisoned, None
+        _, comm, _, work = self.pending[0]
+        work.wait()
+        if poisoned is not None and comm[-_FLAGS].item() != 0:
+            poisoned()  # a rank mirrored the agreed layout: it runs another one
 
     def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
         self.start(self.stage(b, tensors))
@@ -374,6 +459,8 @@ class _Reduction:
         buffer only once all of its views are gone.
         """
         views: list[torch.Tensor] = []
+        if self.poisoned is not None:
+            self.confirm()
         for runs, comm, res, work in self.pending:
             work.wait()
             if comm is not res:
@@ -425,14 +512,13 @@ def all_reduce(
     plan, leaves = _plan_for(tree, fn, op, bucket_cap_mb, compress, None)
     if not plan.unique:  # nothing to reduce; the check still catches a rank that has tensors
         if check:
-            plan.verify(plan.probe(group), tree, group, fn)
+            _agree(plan, tree, group, world, fn)
         return tree
     with plan.lock:
-        probe = plan.probe(group) if check else None
-        verify = (lambda: plan.verify(probe, tree, group, fn)) if probe is not None else None
-        red = _Reduction(plan, op, group, world, verify)
+        fast = check and _agree(plan, tree, group, world, fn)
+        poisoned = (lambda: plan.mismatch(tree, group, fn)) if fast else None
+        red = _Reduction(plan, op, group, world, poisoned)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        # packing overlaps the check; no bucket starts before it passed on every rank
         staged = [red.stage(b, bucket.pick(tensors)) for b, bucket in enumerate(plan.buckets)]
         for st in staged:
             red.start(st)
@@ -596,9 +682,11 @@ def grad_and_value(
             grads, value = local(*args, **kwargs)
             return reduce(grads), value
         with plan.lock:
-            probe = plan.probe(group) if check else None
+            # a rank off the agreed layout mirrors it (and checks) before its forward pass
+            fast = check and _agree(plan, tree, group, world, name)
+            poisoned = (lambda: plan.mismatch(tree, group, name)) if fast else None
             return _overlapped(
-                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, probe, name
+                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, name
             )
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
@@ -617,22 +705,19 @@ def _overlapped(
     op: str,
     group: Any,
     world: int,
-    probe: tuple[torch.Tensor, Any] | None,
+    poisoned: Callable[[], None] | None,
     name: str,
 ) -> tuple[Any, Any]:
     """The backward pass with each bucket's all-reduce launched from gradient hooks.
 
-    The cross-rank check started by ``probe`` runs during the forward and
-    backward passes and is finished before the first bucket starts.
+    On the fast path of the layout check (``poisoned`` given), the first
+    bucket's flags are read just before the second bucket starts (from a
+    later hook, or once the backward pass is over), so it rarely blocks.
     """
     fresh: list[torch.Tensor] = list(map(_REQUIRES_GRAD_, map(torch.Tensor.detach, leaves)))
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
-    tree = args[argnums]
-    # The check runs during the forward and backward passes; it is finished before the first
-    # bucket starts (from a gradient hook, or when the backward pass is over).
-    verify = (lambda: plan.verify(probe, tree, group, name)) if probe is not None else None
-    red = _Reduction(plan, op, group, world, verify)
+    red = _Reduction(plan, op, group, world, poisoned)
     nb = len(plan.buckets)
     ready: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in plan.buckets]
     missing = [len(b.members) for b in plan.buckets]

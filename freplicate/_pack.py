@@ -285,7 +285,9 @@ class FlatPool:
     results. Those keep their buffer out of use until they, and every view
     or autograd record made from them, are gone; then a later ``take()``
     hands it out again. At most ``keep`` buffers are kept; when all are busy
-    a fresh, unkept one is returned.
+    a fresh, unkept one is returned. ``extra`` spare elements follow the
+    tensors' at the end of every buffer: the caller's own (``flat[-extra:]``),
+    never packed nor viewed by the pool.
 
     >>> pool = FlatPool([torch.Size([2]), torch.Size([2]), torch.Size([])], torch.float32, "cpu")
     >>> a, runs = pool.take()
@@ -307,9 +309,10 @@ class FlatPool:
         device: torch.device | str,
         *,
         keep: int = 3,
+        extra: int = 0,
     ) -> None:
         self.runs = runs_of(shapes)
-        self.numel = sum(s.numel() * k for s, k in self.runs)
+        self.numel = sum(s.numel() * k for s, k in self.runs) + extra
         self.dtype = dtype
         self.device = torch.device(device)
         self.keep = keep if _storage_use_count is not None else 0
