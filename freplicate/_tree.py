@@ -27,6 +27,7 @@ __all__ = [
     "map_tensors",
     "path_str",
     "paths_of",
+    "structure_difference",
     "unflatten",
 ]
 
@@ -113,8 +114,8 @@ def first_difference(
     for j in range(1, len(specs)):
         if specs[j] == ref:
             continue
-        where = _diff(trees[0], trees[j], optree.PyTreeAccessor())
-        return f"{what}s differ {where[0]}: {where[1]} in {what} 0, {where[2]} in {what} {j}"
+        at, mine, theirs = structure_difference(trees[0], trees[j])
+        return f"{what}s differ at {at}: {mine} in {what} 0, {theirs} in {what} {j}"
     return None
 
 
@@ -132,16 +133,30 @@ def _one_level(node: Any) -> tuple[list[Any], list[Any], PyTreeSpec]:
     return optree.tree_flatten_with_accessor(node, is_leaf=lambda x: x is not node)
 
 
-def _diff(a: Any, b: Any, path: Any) -> tuple[str, str, str]:
-    where = "at " + (path_str(path) if len(path) else "the root")
+def structure_difference(
+    a: Any, b: Any, describe: Callable[[Any], str] | None = None
+) -> tuple[str, str, str]:
+    """Where the structures of ``a`` and ``b`` first part: ``(path, what a has, what b has)``.
+
+    ``describe`` renders the node found there (default: its type, keys or
+    length); ``path`` is ``"the root"`` when the roots already differ.
+
+    >>> structure_difference({"a": [1, 2]}, {"a": [1]})
+    ("['a']", 'list of 2', 'list of 1')
+    """
+    return _diff(a, b, optree.PyTreeAccessor(), describe or _describe)
+
+
+def _diff(a: Any, b: Any, path: Any, describe: Callable[[Any], str]) -> tuple[str, str, str]:
+    where = path_str(path) if len(path) else "the root"
     acc_a, kids_a, spec_a = _one_level(a)
     _, kids_b, spec_b = _one_level(b)
     if spec_a != spec_b or spec_a.num_children == 0:
-        return where, _describe(a), _describe(b)
+        return where, describe(a), describe(b)
     for acc, ca, cb in zip(acc_a, kids_a, kids_b):
         if optree.tree_structure(ca) != optree.tree_structure(cb):
-            return _diff(ca, cb, path + acc)
-    return where, _describe(a), _describe(b)  # pragma: no cover
+            return _diff(ca, cb, path + acc, describe)
+    return where, describe(a), describe(b)  # pragma: no cover
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], tree: Any) -> Any:
