@@ -486,6 +486,131 @@ def under_vmap(rank: int) -> Any:
     return torch.func.vmap(g, in_dims=(None, 0))({"w": torch.ones(2)}, xs)
 
 
+# --- the layout check's fast path (the agreed layout) -------------------------------------
+
+
+def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
+    """``f()`` with fr.distributed's probes and collectives counted on this rank."""
+    counts = {"probe": 0, "all_reduce": 0}
+    probe, all_reduce = fr._distributed._Plan.probe, dist.all_reduce
+
+    def counted_probe(*args: Any, **kwargs: Any) -> Any:
+        counts["probe"] += 1
+        return probe(*args, **kwargs)
+
+    def counted_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        counts["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    fr._distributed._Plan.probe = counted_probe  # type: ignore[method-assign]
+    dist.all_reduce = counted_all_reduce
+    try:
+        return f(), counts
+    finally:
+        fr._distributed._Plan.probe = probe  # type: ignore[method-assign]
+        dist.all_reduce = all_reduce
+
+
+def leafwise(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The oracle of a sum: one plain ``dist.all_reduce`` per leaf, on copies."""
+    out = {}
+    for k, t in tree.items():
+        out[k] = t.clone()
+        dist.all_reduce(out[k])
+    return out
+
+
+def layout(rank: int, name: str, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(10 * seed + rank)
+    shapes = {"A": [(7, 5), (5,)], "B": [(3, 3), (9,), (2,)]}[name]
+    return {f"{name}{i}": torch.randn(*s, generator=g) for i, s in enumerate(shapes)}
+
+
+@scenario
+def steady_state(rank: int) -> dict[str, Any]:
+    """Ten calls of one layout: one full check (the first), then no collective but the data."""
+    tree = {"s": torch.full((11, 3), float(rank)), "t": torch.ones(4)}
+    params = {"w": torch.ones(13, 2)}
+    loss = lambda p: (p["w"] * (rank + 1)).sum()  # noqa: E731
+    g = fr.distributed.grad_and_value(loss, op="sum")
+    reduced, counts = counting(lambda: [fr.distributed.all_reduce(tree) for _ in range(10)])
+    grads, grad_counts = counting(lambda: [g(params)[0] for _ in range(10)])
+    return {"reduced": reduced, "counts": counts, "grads": grads, "grad_counts": grad_counts}
+
+
+@scenario
+def mismatch_on_agreed(rank: int) -> list[Any]:
+    """Rank 0 on the agreed layout, rank 1 on a changed one: ValueError on both, every time."""
+    agreed = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    changed = [
+        {"a": torch.ones(3), "b": torch.ones(2, 3)},  # shape
+        {"a": torch.ones(3), "b": torch.ones(2, 2, dtype=torch.float64)},  # dtype
+        {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)},  # structure
+        {"a": torch.ones(3), "b": None},  # fewer tensors: a smaller first bucket
+    ]
+    out: list[Any] = []
+    for tree in changed:
+        fr.distributed.all_reduce(agreed)  # agreed on both ranks
+        try:
+            fr.distributed.all_reduce(tree if rank else agreed)
+            out.append(("returned",))
+        except ValueError as err:
+            out.append(("raised", str(err)))
+    out.append(fr.distributed.all_reduce({"x": torch.full((2,), float(rank))}, op="sum"))
+    return out
+
+
+@scenario
+def switching_layouts(rank: int) -> list[Any]:
+    """Both ranks switch layouts together (A, A, B, A, B, B, A): every result right."""
+    out = []
+    for i, name in enumerate("AABABBA"):
+        tree = layout(rank, name, i)
+        out.append((fr.distributed.all_reduce(tree, op="sum"), leafwise(tree)))
+    return out
+
+
+@scenario
+def mismatch_multi_bucket(rank: int) -> list[Any]:
+    """A bucket per tensor, mismatched on the second call (in a later bucket): no abort."""
+    tree = {"a": torch.ones(4), "b": torch.ones(3), "c": torch.ones(2)}
+    first = fr.distributed.all_reduce(tree, bucket_cap_mb=1e-6, op="sum")
+    second = {**tree, "a": torch.ones(4 + rank)}  # the first bucket holds 'c': unchanged
+    try:
+        fr.distributed.all_reduce(second, bucket_cap_mb=1e-6, op="sum")
+        got: Any = ("returned",)
+    except ValueError as err:
+        got = ("raised", str(err))
+    again = fr.distributed.all_reduce(tree, bucket_cap_mb=1e-6, op="sum")
+    return [first, got, again]
+
+
+@scenario
+def grad_switching_and_mismatch(rank: int) -> dict[str, Any]:
+    """grad_and_value switching between two parameter trees, then mismatched on each path."""
+    x = torch.full((3,), float(rank + 1))
+
+    def loss(p: Any) -> torch.Tensor:
+        return sum((v.flatten()[:3] * x[: v.numel()]).sum() for v in p.values())  # type: ignore[return-value]
+
+    out: dict[Any, Any] = {"switch": []}
+    for cap in (25.0, 1e-6):
+        g = fr.distributed.grad_and_value(loss, op="sum", bucket_cap_mb=cap)
+        for i, name in enumerate("ABBAB"):
+            params = layout(0, name, i)
+            grads, _ = g(params)
+            out["switch"].append((grads, leafwise(fr.grad_and_value(loss)(params)[0])))
+        agreed = layout(0, "B", 0)  # with cap 1e-6, the flags are read in a gradient hook
+        g(agreed)
+        changed = {**agreed, "B0": torch.ones(4, 4)}
+        try:
+            g(changed if rank else agreed)
+            out[cap] = ("returned",)
+        except ValueError as err:
+            out[cap] = ("raised", str(err))
+    return out
+
+
 # --- a rank that dies -----------------------------------------------------------------
 
 

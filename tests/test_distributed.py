@@ -170,6 +170,73 @@ def test_group_usable_after_mismatches(job):
         torch.testing.assert_close(r["x"], torch.ones(2))
 
 
+# --- the layout check's fast path ------------------------------------------------------
+
+
+def test_steady_state_sends_no_probe(job):
+    for r in ok(job, "steady_state"):
+        for counts in (r["counts"], r["grad_counts"]):
+            assert counts["probe"] == 1, counts  # the first call's full check only
+            # ten single-bucket reductions, the probe, and at most one mirror of the last layout
+            assert 11 <= counts["all_reduce"] <= 12, counts
+        for out in r["reduced"]:
+            torch.testing.assert_close(out["s"], torch.full((11, 3), 0.5))
+            torch.testing.assert_close(out["t"], torch.ones(4))
+        for grads in r["grads"]:
+            torch.testing.assert_close(grads["w"], torch.full((13, 2), 3.0))
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        (0, r"the tensor at \['b'\] differs across ranks: shape \(2, 2\).*rank 0; shape \(2, 3\)"),
+        (1, r"the tensor at \['b'\] differs across ranks: .*dtype torch\.float64 on rank 1"),
+        (2, r"the tree's structure differs across ranks: at the root: dict with keys \('a', 'b'\)"),
+        (3, r"the tree's structure differs across ranks: at \['b'\]: a tensor of shape \(2, 2\)"),
+    ],
+    ids=["shape", "dtype", "structure", "fewer_tensors"],
+)
+def test_mismatch_against_the_agreed_layout_raises_on_every_rank(job, case, pattern):
+    for r in ok(job, "mismatch_on_agreed"):
+        assert r[case][0] == "raised", r[case]
+        assert re.search(r"^fr\.distributed\.all_reduce: " + pattern, r[case][1]), r[case][1]
+        torch.testing.assert_close(r[-1]["x"], torch.ones(2))  # the group is still usable
+
+
+def test_switching_layouts_together_stays_right(job):
+    for r in ok(job, "switching_layouts"):
+        for got, want in r:
+            close(got, want, rtol=0, atol=0)
+
+
+def test_multi_bucket_mismatch_raises_on_every_rank(job):
+    for first, got, again in ok(job, "mismatch_multi_bucket"):
+        assert got[0] == "raised", got
+        assert re.search(r"the tensor at \['a'\] differs across ranks: shape \(4,\)", got[1])
+        for out in (first, again):
+            close(
+                out,
+                {
+                    "a": torch.full((4,), 2.0),
+                    "b": torch.full((3,), 2.0),
+                    "c": torch.full((2,), 2.0),
+                },
+            )
+
+
+def test_grad_switching_layouts_and_mismatch(job):
+    for r in ok(job, "grad_switching_and_mismatch"):
+        assert len(r["switch"]) == 10
+        for got, want in r["switch"]:
+            close(got, want, rtol=0, atol=0)
+        for cap in (25.0, 1e-6):
+            assert r[cap][0] == "raised", r[cap]
+            assert re.search(
+                r"fr\.distributed\.grad_and_value: the tensor at \['B0'\] differs across ranks",
+                r[cap][1],
+            ), r[cap][1]
+
+
 # --- broadcast --------------------------------------------------------------------------
 
 
