@@ -45,7 +45,9 @@ _PLAN_CACHE_SIZE = 16
 # DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so it starts early in the
 # backward pass, and the layout check it carries (``_agree``) is read back soon and cheaply.
 _FIRST_BUCKET_BYTES = 1024 * 1024
-_FLAGS = 2  # the check's two trailing elements of a plan's first bucket: [poisoned, 1 - poisoned]
+# The layout check's trailing elements of a plan's first bucket (see ``_agree``): [off the agreed
+# layout, on it, off the second layout]. Each sums up to the world size; only "> 0" is read.
+_FLAGS = 3
 
 
 def _world(group: Any) -> int:
@@ -90,8 +92,10 @@ class _Bucket:
             if comm_dtype != first.dtype
             else None
         )
-        # the flags of a call on the agreed layout: nobody poisoned, one "on the fast path"
-        self.clear = torch.tensor([0, 1], dtype=comm_dtype, device=first.device) if extra else None
+        # the flags of a call on the fast path (``_agree``): on the agreed layout
+        self.clear = (
+            torch.tensor([0, 1, 0], dtype=comm_dtype, device=first.device) if extra else None
+        )
 
 
 class _Plan:
@@ -274,10 +278,12 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
 
 
 _PLANS: dict[Any, _Plan] = {}
-# Per process group: (fingerprint, first collective) of the *agreed* layout, the last one whose
-# full check passed on every rank. Identical on every rank, as it changes only after a collective
-# verdict (see ``_agree``); kept apart from ``_PLANS``, whose evictions are per rank.
-_AGREED: dict[Any, tuple[int, tuple[int, torch.dtype, torch.device, Any]]] = {}
+# Per process group: the *agreed* layout and the *second* one (or None), each as (fingerprint,
+# first collective): the last two layouts every rank is known to have run together. Identical on
+# every rank, as they change only after a collective verdict (see ``_agree``); kept apart from
+# ``_PLANS``, whose evictions are per rank.
+_Agreed = tuple[int, tuple[int, torch.dtype, torch.device, Any]]
+_AGREED: dict[Any, tuple[_Agreed, _Agreed | None]] = {}
 _SIG = operator.attrgetter("shape", "dtype", "device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
@@ -339,33 +345,44 @@ def _agree(plan: _Plan, tree: Any, group: Any, world: int, fn: str) -> bool:
     """The cross-rank layout check before a call's first bucket; ``True``: the fast path.
 
     On the fast path (``plan`` is the group's agreed layout) nothing is sent
-    here: the first bucket carries flags ``[0, 1]`` and ``_Reduction`` reads
-    them back before the second bucket starts (or before returning). Any
-    other call first *mirrors* the agreed layout's first collective (same
-    size, dtype and op, zeros and flags ``[1, 0]``), so ranks on the fast path
-    and ranks here meet in one collective and read the same sums: a rank on
-    the fast path sees slot 0 poisoned, a rank here sees slot 1 set, and all
-    of them raise through ``_Plan.mismatch`` together. When nobody is on the
-    fast path, the full check runs (``probe``, ``verify``) and, passed on
-    every rank, makes ``plan`` the agreed layout everywhere at once. A second
-    agreed layout per group would be unsafe: two ranks each on a different
-    agreed layout would start first buckets of different sizes.
+    here: the first bucket carries flags ``[0, 1, 0]`` and ``_Reduction``
+    reads them back before the second bucket starts (or before returning).
+    Any other call first *mirrors* the agreed layout's first collective (same
+    size, dtype and op: zeros, then flags ``[1, 0, s]``, ``s`` 0 on the
+    second layout, else 1), so ranks on the fast path and ranks here meet in
+    one collective and read the same sums. A rank on the fast path sees slot
+    0 set, a rank here sees slot 1 set: all of them raise through
+    ``_Plan.mismatch`` together. Slot 2 still 0: every rank runs the second
+    layout, checked by this very collective; it and the agreed one swap
+    roles, everywhere at once (a loop alternating gradients and buffers pays
+    one mirror per switch, no probe). Otherwise the full check runs
+    (``probe``, ``verify``) and, passed on every rank, makes ``plan`` the
+    agreed layout and the old one the second. Only the agreed layout may take
+    the fast path: two ranks each on another would start first buckets of
+    different sizes.
     """
     key = dist.group.WORLD if group is None else group
-    agreed = _AGREED.get(key)
+    state = _AGREED.get(key)
     speculates = plan.speculates(world)
-    if agreed is not None:
+    if state is not None:
+        agreed, second = state
         if speculates and agreed[0] == plan.fingerprint:
             return True
         numel, dtype, device, red = agreed[1]
         mirror = torch.zeros(numel, dtype=dtype, device=device)
+        on_second = speculates and second is not None and second[0] == plan.fingerprint
         mirror[-_FLAGS] = 1
+        mirror[-1] = 0 if on_second else 1
         dist.all_reduce(mirror, op=red, group=group)
-        if mirror[-1].item() != 0:  # someone ran the agreed layout
+        if mirror[-2].item() != 0:  # someone ran the agreed layout
             plan.mismatch(tree, group, fn)
+        if mirror[-1].item() == 0:  # everyone runs the second layout: the check is done
+            _AGREED[key] = (second, agreed)  # type: ignore[assignment]
+            return False
     plan.verify(plan.probe(group), tree, group, fn)
     if speculates:
-        _AGREED[key] = (plan.fingerprint, plan.first)  # type: ignore[assignment]
+        entry: _Agreed = (plan.fingerprint, plan.first)  # type: ignore[assignment]
+        _AGREED[key] = (entry, state[0] if state is not None else None)
     return False
 
 

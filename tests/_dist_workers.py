@@ -562,11 +562,30 @@ def mismatch_on_agreed(rank: int) -> list[Any]:
 
 @scenario
 def switching_layouts(rank: int) -> list[Any]:
-    """Both ranks switch layouts together (A, A, B, A, B, B, A): every result right."""
-    out = []
-    for i, name in enumerate("AABABBA"):
-        tree = layout(rank, name, i)
-        out.append((fr.distributed.all_reduce(tree, op="sum"), leafwise(tree)))
+    """Both ranks switch layouts together (A, A, B, A, B, B, A): every result right.
+
+    A and B are fully checked once each; later switches between the two only
+    mirror the agreed layout's first bucket.
+    """
+    trees = [layout(rank, name, i) for i, name in enumerate("AABABBA")]
+    got, counts = counting(lambda: [fr.distributed.all_reduce(t, op="sum") for t in trees])
+    return {"pairs": list(zip(got, map(leafwise, trees))), "counts": counts}
+
+
+@scenario
+def mismatch_second_layout(rank: int) -> list[Any]:
+    """Agreed B, second A: rank 0 on A against rank 1 on a new C, then B against A."""
+    a, b, c = {"a": torch.ones(6)}, {"b": torch.ones(2, 3)}, {"a": torch.ones(7)}
+    out: list[Any] = []
+    for mine, theirs in ((a, c), (b, a)):
+        fr.distributed.all_reduce(a)
+        fr.distributed.all_reduce(b)
+        try:
+            fr.distributed.all_reduce(theirs if rank else mine)
+            out.append(("returned",))
+        except ValueError as err:
+            out.append(("raised", str(err)))
+    out.append(fr.distributed.all_reduce(a, op="sum"))  # back in step
     return out
 
 

@@ -205,8 +205,20 @@ def test_mismatch_against_the_agreed_layout_raises_on_every_rank(job, case, patt
 
 def test_switching_layouts_together_stays_right(job):
     for r in ok(job, "switching_layouts"):
-        for got, want in r:
+        for got, want in r["pairs"]:
             close(got, want, rtol=0, atol=0)
+        # 7 data buckets, a probe for A and for B, a mirror at each of the 4 or 5 switches
+        assert r["counts"]["probe"] == 2, r["counts"]
+        assert 13 <= r["counts"]["all_reduce"] <= 14, r["counts"]
+
+
+def test_mismatch_against_the_second_layout_raises_on_every_rank(job):
+    for r in ok(job, "mismatch_second_layout"):
+        assert re.search(r"the tensor at \['a'\] differs across ranks: shape \(6,\)", r[0][1])
+        assert re.search(
+            r"structure differs across ranks: at the root: dict with keys \('b',\)", r[1][1]
+        )
+        torch.testing.assert_close(r[2]["a"], torch.full((6,), 2.0))
 
 
 def test_multi_bucket_mismatch_raises_on_every_rank(job):
