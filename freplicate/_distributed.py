@@ -469,21 +469,26 @@ class _Reduction:
     def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
         self.start(self.stage(b, tensors))
 
-    def finish(self) -> Sequence[torch.Tensor]:
-        """Wait for every bucket; the results, one per unique tensor of the plan.
+    def finish(self, build: Callable[[Sequence[torch.Tensor]], Any]) -> Any:
+        """``build`` of the results (one per unique tensor of the plan), returned once all landed.
 
-        They are views of the buckets' result buffers; the pools reuse a
-        buffer only once all of its views are gone.
+        The results are views of the buckets' result buffers; the pools
+        reuse a buffer only once all of its views are gone. Views of a buffer
+        still being reduced in place are valid before its values land, so
+        they and ``build``'s tree are made while the buckets are in flight,
+        and handed out only after the waits.
         """
         views: list[torch.Tensor] = []
+        for runs, _, _, _ in self.pending:
+            views += FlatPool.views(runs)
+        out = build(self.plan.reorder(views))
         if self.poisoned is not None:
             self.confirm()
-        for runs, comm, res, work in self.pending:
+        for _, comm, res, work in self.pending:
             work.wait()
             if comm is not res:
                 res.copy_(comm)
-            views += FlatPool.views(runs)
-        return self.plan.reorder(views)
+        return out
 
 
 def all_reduce(
@@ -539,8 +544,7 @@ def all_reduce(
         staged = [red.stage(b, bucket.pick(tensors)) for b, bucket in enumerate(plan.buckets)]
         for st in staged:
             red.start(st)
-        results = red.finish()
-    return _rebuild(plan, leaves, results)
+        return red.finish(lambda results: _rebuild(plan, leaves, results))
 
 
 def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True) -> Any:
@@ -786,9 +790,8 @@ def _overlapped(
     # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
     for b in range(red.launched, nb):
         red.launch(b, plan.buckets[b].pick(grads))
-    results = red.finish()
-    value = value.detach()
+    value = value.detach()  # while the buckets are in flight
     if has_aux:
         aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-        return _rebuild(plan, leaves, results), (value, aux)
-    return _rebuild(plan, leaves, results), value
+    grads_tree = red.finish(lambda results: _rebuild(plan, leaves, results))
+    return grads_tree, ((value, aux) if has_aux else value)
