@@ -7,15 +7,16 @@ CPU, NCCL on CUDA). A tree's layout (structure, shapes, dtypes, aliasing and
 the call's options) is turned once into a *plan*: tensors grouped per
 (device, dtype) with the core engine (``_pack``), in DDP's order (reverse of
 the leaves, the order gradients become ready), cut into buckets of at most
-``bucket_cap_mb``. Each bucket packs into a flat buffer taken from a small
-pool (``_pack.FlatPool``), is reduced there in place, and comes back as
-views of it; the pool hands a buffer out again only once no view of it is
-alive, so results of successive calls never alias, and a training loop
-reuses two or three buffers instead of paying a large allocation (page
-faults) every step. Every call checks the layout across ranks with one tiny
-collective (the plan's fingerprint, all-reduced with MAX) before any bucket
-starts, so trees that differ raise ``ValueError`` on every rank instead of
-hanging, aborting or reducing garbage.
+``bucket_cap_mb`` (the first of at most 1 MiB, as DDP's). Each bucket packs
+into a flat buffer taken from a small pool (``_pack.FlatPool``), is reduced
+there in place, and comes back as views of it; the pool hands a buffer out
+again only once no view of it is alive, so results of successive calls
+never alias, and a training loop reuses two or three buffers instead of
+paying a large allocation (page faults) every step. Every call checks the
+layout across ranks, so trees that differ raise ``ValueError`` on every
+rank instead of hanging, aborting or reducing garbage; on the layout the
+group last agreed on, the check rides in the first bucket (three flag
+elements) and costs no collective of its own (``_agree``).
 """
 
 from __future__ import annotations
@@ -514,10 +515,12 @@ def all_reduce(
     their logical or. Non-tensor leaves pass through by reference; a tensor
     at several positions is reduced once and stays one object.
 
-    Each call first checks the layout across ranks with one tiny collective,
-    overlapped with the packing (``check=False`` skips it): trees that differ in structure,
-    shape or dtype, or calls with different options, raise ``ValueError``
-    naming the difference on every rank. ``tree`` is never modified, and
+    Each call checks the layout across ranks (``check=False`` skips it):
+    trees that differ in structure, shape or dtype, or calls with different
+    options, raise ``ValueError`` naming the difference on every rank. On
+    the layout the group agreed on last, the check rides in the first
+    bucket; switching back to the one before costs one small extra
+    collective, a new layout two. ``tree`` is never modified, and
     never used as the reduction buffer. Without an initialised process
     group, or with one rank, ``tree`` itself is returned.
 
@@ -551,11 +554,11 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
     """A new tree whose tensor leaves equal rank ``src``'s; the input is unchanged.
 
     The initial sync DDP does at construction (and, for buffers, at every
-    forward). Collective, coalesced as ``all_reduce``, with the same
-    cross-rank check. ``src`` is a global rank. On rank ``src`` the result
-    holds the given tensors themselves (their values are the answer); on the
-    others fresh tensors. Without an initialised process group, or with one
-    rank, ``tree`` itself is returned.
+    forward). Collective, coalesced as ``all_reduce``, with the cross-rank
+    check (here one tiny collective on every call). ``src`` is a global
+    rank. On rank ``src`` the result holds the given tensors themselves
+    (their values are the answer); on the others fresh tensors. Without an
+    initialised process group, or with one rank, ``tree`` itself is returned.
 
     >>> s = fr.state(nn.Linear(2, 2))
     >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
