@@ -25,6 +25,7 @@ import hashlib
 import operator
 import pickle
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -282,9 +283,11 @@ _PLANS: dict[Any, _Plan] = {}
 # Per process group: the *agreed* layout and the *second* one (or None), each as (fingerprint,
 # first collective): the last two layouts every rank is known to have run together. Identical on
 # every rank, as they change only after a collective verdict (see ``_agree``); kept apart from
-# ``_PLANS``, whose evictions are per rank.
+# ``_PLANS``, whose evictions are per rank. Weakly keyed: a destroyed group's state goes with it.
 _Agreed = tuple[int, tuple[int, torch.dtype, torch.device, Any]]
-_AGREED: dict[Any, tuple[_Agreed, _Agreed | None]] = {}
+_AGREED: weakref.WeakKeyDictionary[Any, tuple[_Agreed, _Agreed | None]] = (
+    weakref.WeakKeyDictionary()
+)
 _SIG = operator.attrgetter("shape", "dtype", "device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
