@@ -542,17 +542,20 @@ def steady_state(rank: int) -> dict[str, Any]:
 def mismatch_on_agreed(rank: int) -> list[Any]:
     """Rank 0 on the agreed layout, rank 1 on a changed one: ValueError on both, every time."""
     agreed = {"a": torch.ones(3), "b": torch.ones(2, 2)}
-    changed = [
-        {"a": torch.ones(3), "b": torch.ones(2, 3)},  # shape
-        {"a": torch.ones(3), "b": torch.ones(2, 2, dtype=torch.float64)},  # dtype
-        {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)},  # structure
-        {"a": torch.ones(3), "b": None},  # fewer tensors: a smaller first bucket
+    mask = {"a": torch.ones(3), "m": torch.ones(4, dtype=torch.bool)}  # a bool first bucket: MAX
+    cases: list[tuple[Any, Any, dict[str, Any]]] = [
+        (agreed, {"a": torch.ones(3), "b": torch.ones(2, 3)}, {}),  # shape
+        (agreed, {"a": torch.ones(3), "b": torch.ones(2, 2, dtype=torch.float64)}, {}),  # dtype
+        (agreed, {"a": torch.ones(3), "b": torch.ones(2, 2), "c": torch.ones(1)}, {}),  # structure
+        (agreed, {"a": torch.ones(3), "b": None}, {}),  # fewer tensors: a smaller first bucket
+        (mask, {**mask, "m": torch.ones(5, dtype=torch.bool)}, {"op": "sum"}),
+        (agreed, {**agreed, "b": torch.ones(2, 3)}, {"compress": "bf16"}),  # a bf16 first bucket
     ]
     out: list[Any] = []
-    for tree in changed:
-        fr.distributed.all_reduce(agreed)  # agreed on both ranks
+    for same, other, kwargs in cases:
+        fr.distributed.all_reduce(same, **kwargs)  # agreed on both ranks
         try:
-            fr.distributed.all_reduce(tree if rank else agreed)
+            fr.distributed.all_reduce(other if rank else same, **kwargs)
             out.append(("returned",))
         except ValueError as err:
             out.append(("raised", str(err)))

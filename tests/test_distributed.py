@@ -193,8 +193,10 @@ def test_steady_state_sends_no_probe(job):
         (1, r"the tensor at \['b'\] differs across ranks: .*dtype torch\.float64 on rank 1"),
         (2, r"the tree's structure differs across ranks: at the root: dict with keys \('a', 'b'\)"),
         (3, r"the tree's structure differs across ranks: at \['b'\]: a tensor of shape \(2, 2\)"),
+        (4, r"the tensor at \['m'\] differs across ranks: shape \(4,\), dtype torch\.bool"),
+        (5, r"the tensor at \['b'\] differs across ranks: shape \(2, 2\).*rank 0; shape \(2, 3\)"),
     ],
-    ids=["shape", "dtype", "structure", "fewer_tensors"],
+    ids=["shape", "dtype", "structure", "fewer_tensors", "bool_bucket", "bf16_bucket"],
 )
 def test_mismatch_against_the_agreed_layout_raises_on_every_rank(job, case, pattern):
     for r in ok(job, "mismatch_on_agreed"):
