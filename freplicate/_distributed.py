@@ -34,10 +34,10 @@ import torch
 import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 
+from ._grad import detached, gradients, split_output
 from ._grad import grad_and_value as _local_grad_and_value
 from ._pack import FlatPool, buckets, check_packable, group_by
-from ._tree import LazyPaths, _one_level, path_str, paths_of
-from ._tree import _describe as _tree_describe
+from ._tree import LazyPaths, describe_node, paths_of, structure_difference
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
 
@@ -225,19 +225,9 @@ def _leaf_desc(x: Any) -> str:
     return f"a leaf of type {type(x).__name__}"
 
 
-def _structure_diff(a: Any, b: Any, path: Any) -> tuple[str, str, str]:
-    """The first path where two skeletons (tensors described as text) differ, and what is there."""
-
-    def describe(node: Any) -> str:
-        return node if isinstance(node, str) else _tree_describe(node)
-
-    acc_a, kids_a, spec_a = _one_level(a)
-    _, kids_b, spec_b = _one_level(b)
-    if spec_a == spec_b and spec_a.num_children:
-        for acc, ka, kb in zip(acc_a, kids_a, kids_b):
-            if optree.tree_structure(ka) != optree.tree_structure(kb):
-                return _structure_diff(ka, kb, path + acc)
-    return (path_str(path) if len(path) else "the root"), describe(a), describe(b)
+def _skeleton_describe(node: Any) -> str:
+    """A node of a pickled skeleton: tensors are already text, the rest as ``_tree`` says."""
+    return node if isinstance(node, str) else describe_node(node)
 
 
 def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
@@ -253,8 +243,8 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
         if spec_r != spec0:
             where = None
             if everyone[0][0] is not None and skeleton is not None:
-                at, mine, theirs = _structure_diff(
-                    pickle.loads(everyone[0][0]), pickle.loads(skeleton), optree.PyTreeAccessor()
+                at, mine, theirs = structure_difference(
+                    pickle.loads(everyone[0][0]), pickle.loads(skeleton), _skeleton_describe
                 )
                 where = f"at {at}: {mine} on rank 0, {theirs} on rank {r}"
             return (
@@ -770,34 +760,14 @@ def _overlapped(
             handles.append(fresh[k].register_hook(hook_for(b, j)))
     try:
         with torch.enable_grad():
-            output = fn(*new_args, **kwargs)
-            if has_aux:
-                if not (isinstance(output, tuple) and len(output) == 2):
-                    raise RuntimeError(
-                        f"{name}(f, has_aux=True): f must return a (output, aux) tuple"
-                    )
-                value, aux = output
-            else:
-                value, aux = output, None
-            if not isinstance(value, torch.Tensor) or value.dim() != 0:
-                shape = (
-                    tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                )
-                raise RuntimeError(
-                    f"{name}: expected f(*args) to return a scalar tensor, got {shape}"
-                )
-            if value.requires_grad:
-                grads = torch.autograd.grad(value, fresh, allow_unused=True, materialize_grads=True)
-            else:
-                grads = tuple(torch.zeros_like(t) for t in fresh)
+            value, aux = split_output(fn(*new_args, **kwargs), has_aux, name)
+            grads = gradients(value, fresh)
     finally:
         for h in handles:
             h.remove()
     # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
     for b in range(red.launched, nb):
         red.launch(b, plan.buckets[b].pick(grads))
-    value = value.detach()  # while the buckets are in flight
-    if has_aux:
-        aux = optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+    rest = detached(value, aux, has_aux)  # while the buckets are in flight
     grads_tree = red.finish(lambda results: _rebuild(plan, leaves, results))
-    return grads_tree, ((value, aux) if has_aux else value)
+    return grads_tree, rest

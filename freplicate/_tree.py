@@ -20,6 +20,7 @@ __all__ = [
     "LazyPaths",
     "PyTreeSpec",
     "alias_groups",
+    "describe_node",
     "first_difference",
     "flatten",
     "flatten_with_paths",
@@ -119,7 +120,8 @@ def first_difference(
     return None
 
 
-def _describe(node: Any) -> str:
+def describe_node(node: Any) -> str:
+    """What stands at a place in a tree, in words: its type, keys or length."""
     if node is None:
         return "None"
     if optree.tree_structure(node).is_leaf():
@@ -144,7 +146,7 @@ def structure_difference(
     >>> structure_difference({"a": [1, 2]}, {"a": [1]})
     ("['a']", 'list of 2', 'list of 1')
     """
-    return _diff(a, b, optree.PyTreeAccessor(), describe or _describe)
+    return _diff(a, b, optree.PyTreeAccessor(), describe or describe_node)
 
 
 def _diff(a: Any, b: Any, path: Any, describe: Callable[[Any], str]) -> tuple[str, str, str]:
