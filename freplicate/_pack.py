@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
 import torch
+from torch._C._functorch import maybe_current_level
 
 __all__ = [
     "Layout",
@@ -225,8 +226,15 @@ def reduce_add_coalesced(
 
     Each list is packed per (device, dtype), every flat buffer moved once to
     ``device`` and summed there; the result is split back into views.
-    Differentiable.
+    Differentiable. When every tensor already lies on ``device`` (and no
+    autograd or ``torch.func`` is involved), packing would only add copies:
+    the lists are summed leaf-wise in fused ``_foreach_add`` passes instead.
     """
+    if len(tensor_lists) > 1 and _all_local(tensor_lists, device):
+        sums = list(torch._foreach_add(list(tensor_lists[0]), list(tensor_lists[1])))
+        for lst in tensor_lists[2:]:
+            torch._foreach_add_(sums, list(lst))  # our own fresh sums
+        return sums
     first = tensor_lists[0]
     # group positions by dtype and by the devices they lie on in every list
     groups = group_by(
@@ -247,6 +255,17 @@ def reduce_add_coalesced(
         for i, view in zip(idx, unpack(total, layout_of([first[i] for i in idx]))):
             result[i] = view
     return result  # type: ignore[return-value]
+
+
+def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> bool:
+    """Every tensor strided, on ``device``, outside autograd and any ``torch.func`` transform."""
+    if maybe_current_level() is not None:
+        return False
+    return all(
+        t.device == device and t.layout == torch.strided and not t.requires_grad
+        for lst in tensor_lists
+        for t in lst
+    )
 
 
 # --- Flat buffers reused across calls (fr.distributed) -----------------------------------

@@ -629,16 +629,9 @@ def _reduce(
     for dev, idx in _by_device(range(len(targets)), targets).items():
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
-        if n > 1 and _all_local(group, dev):
-            # Nothing to move: packing would only add copies (a 40 MB model
-            # pays twice its size in cat). One fused pass per list instead.
-            sums = list(torch._foreach_add(group[0], group[1]))
-            for lst in group[2:]:
-                torch._foreach_add_(sums, lst)
-        else:
-            sums = _pack.reduce_add_coalesced(
-                group, dev, paths=paths if every else [paths[k] for k in idx], fn=name
-            )
+        sums = _pack.reduce_add_coalesced(
+            group, dev, paths=paths if every else [paths[k] for k in idx], fn=name
+        )
         if op == "mean":
             if maybe_current_level() is None and not any(s.requires_grad for s in sums):
                 # the sums are fresh buffers of ours, never an input: divide in place
@@ -649,17 +642,6 @@ def _reduce(
         for k, s in zip(idx, sums):
             out[k] = s
     return out
-
-
-def _all_local(group: list[list[torch.Tensor]], dev: torch.device) -> bool:
-    """Whether every tensor already lies on ``dev``, strided, outside autograd and torch.func."""
-    if maybe_current_level() is not None:
-        return False
-    return all(
-        t.device == dev and t.layout == torch.strided and not t.requires_grad
-        for lst in group
-        for t in lst
-    )
 
 
 # --------------------------------------------------------------------------- data_parallel_grad
