@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
+import torch
+
 from . import _pack, _tree
 from ._devices import DeviceSpec, as_devices
 
@@ -34,6 +36,13 @@ def replicate(tree: T, devices: Sequence[DeviceSpec], *, detach: bool = False) -
     """
     devs = as_devices(devices, fn="fr.replicate")
     leaves, spec = _tree.flatten(tree)
+    if not detach:
+        # Every tensor already on every target device (replicas on the host, or a
+        # state replicated onto the device it lives on): the replicas are new trees
+        # of the very same leaves, ties included, and there is nothing to pack.
+        where = {x.device for x in leaves if isinstance(x, torch.Tensor)}
+        if len(where) == 1 and all(d in where for d in devs):
+            return [_tree.unflatten(spec, leaves) for _ in devs]
     unique, slot = _tree.alias_groups(leaves)
     if not unique:
         return [tree for _ in devs]
