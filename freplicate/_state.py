@@ -287,13 +287,20 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
             f"fr.apply: state must be an fr.State(params, buffers), got {type(state).__name__}"
         )
     b = _binder(module)
-    params = _canonical(state[0], b, "params")
+    params = state[0]
+    # every parameter under its first name (what fr.state gives): one pass decides
+    complete = params.keys() == b.param_names
+    if not complete:
+        params = _canonical(params, b, "params")
+        complete = params.keys() >= b.param_names
     buffers = _canonical(state[1], b, "buffers")
     skel = b.acquire()
     try:
         deque(map(dict.update, skel.dicts, b.copied_dicts), 0)
         deque(map(dict.update, skel.dicts, skel.own), 0)
-        if list(map(len, skel.dicts)) != list(map(len, b.copied_dicts)):
+        # an update never removes a key, so each copy holds at least its original's
+        # keys, and equal totals mean equal key sets
+        if sum(map(len, skel.dicts)) != sum(map(len, b.copied_dicts)):
             # an attribute deleted from the module, or set on the skeleton by a forward
             for sd, od, own in zip(skel.dicts, b.copied_dicts, skel.own):
                 if len(sd) != len(od):
@@ -301,7 +308,7 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
                     sd.update(od)
                     sd.update(own)
         pget, bget = params.get, buffers.get
-        if params.keys() >= b.param_names:  # every parameter given: bind at C speed
+        if complete:  # every parameter given: bind at C speed
             values = map(params.__getitem__, b.param_canon)
             deque(map(operator.setitem, skel.param_dicts, b.param_keys, values), 0)
         else:
