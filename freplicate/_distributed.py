@@ -37,7 +37,7 @@ from torch._C._functorch import maybe_current_level
 from ._grad import detached, gradients, split_output
 from ._grad import grad_and_value as _local_grad_and_value
 from ._pack import FlatPool, buckets, check_packable, group_by
-from ._tree import LazyPaths, describe_node, paths_of, structure_difference
+from ._tree import LazyPaths, describe_node, flatten_in_order, paths_of, structure_difference
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
 
@@ -288,7 +288,7 @@ def _plan_for(
     tree: Any, fn: str, op: str, cap_mb: float, compress: str | None, src: int | None
 ) -> tuple[_Plan, list[Any]]:
     """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
-    leaves, spec = optree.tree_flatten(tree)
+    leaves, spec = flatten_in_order(tree)  # buckets follow the order gradients become ready
     options = (fn, op, cap_mb, compress, src)
     slot: list[int] | None = None
     unique: list[int]

@@ -22,7 +22,9 @@ __all__ = [
     "alias_groups",
     "describe_node",
     "first_difference",
+    "NAMESPACE",
     "flatten",
+    "flatten_in_order",
     "flatten_with_paths",
     "is_tensor",
     "map_tensors",
@@ -31,6 +33,28 @@ __all__ = [
     "structure_difference",
     "unflatten",
 ]
+
+
+# In freplicate's own optree namespace, dicts flatten in insertion order rather
+# than sorted by key. A state's names come in ``named_parameters()`` order, and
+# its reverse is the order gradients become ready, which fr.distributed's
+# buckets follow (as DDP's do); sorted keys would put '10.weight' before
+# '2.weight' and scatter a bucket's gradients over the backward pass. The mode
+# is optree's own, set once for this namespace only (users' flattening keeps
+# optree's default); the context is entered for the life of the process.
+NAMESPACE = "freplicate"
+_INSERTION_ORDERED = optree.dict_insertion_ordered(True, namespace=NAMESPACE)
+_INSERTION_ORDERED.__enter__()
+
+
+def flatten_in_order(tree: Any) -> tuple[list[Any], PyTreeSpec]:
+    """Flatten ``tree`` with dicts in insertion order (see ``NAMESPACE``).
+
+    >>> flatten_in_order({"b": 1, "a": 2})[0], flatten({"b": 1, "a": 2})[0]
+    ([1, 2], [2, 1])
+    """
+    leaves, spec = optree.tree_flatten(tree, namespace=NAMESPACE)
+    return leaves, spec
 
 
 def is_tensor(x: object) -> bool:

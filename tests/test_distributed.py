@@ -341,3 +341,18 @@ def test_bad_arguments_raise():
         fr.distributed.sync_buffers({}, mode="first")
     with pytest.raises(ValueError, match=r"fr\.distributed\.grad_and_value: op must be"):
         fr.distributed.grad_and_value(lambda p: p, op="avg")
+
+
+def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
+    # Gradients become ready in the reverse of named_parameters() order; sorted
+    # keys ('10.weight' < '2.weight') would scatter a bucket over the backward pass.
+    from freplicate import _distributed
+
+    tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
+    plan, leaves = _distributed._plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
+    names = list(tree)
+    name_of = {id(t): n for n, t in tree.items()}
+    order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]
+    assert order == names[::-1]
+    # and the user's dict comes back with its own key order
+    assert list(_distributed._rebuild(plan, list(tree.values()), [tree[n] for n in names])) == names
