@@ -14,6 +14,7 @@ composes exactly as that does.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -57,15 +58,20 @@ def grad_and_value(
                     f"fr.grad_and_value: argnums={argnums!r} is out of range for "
                     f"{len(args)} positional argument(s)"
                 )
-        all_leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in all_leaves):
+        flat = [optree.tree_flatten(args[n]) for n in nums]  # each differentiated tree once
+        chosen = {n % len(args) for n in nums}
+        others = [a for i, a in enumerate(args) if i not in chosen]
+        rest: list[Any] = optree.tree_leaves((others, kwargs))  # type: ignore[arg-type]
+        if any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in itertools.chain(rest, *(leaves for leaves, _ in flat))
+        ):
             # an outer autograd graph: torch.func keeps it, so let it answer
             return reference(*args, **kwargs)
         new_args = list(args)
         diff_leaves: list[torch.Tensor] = []
         specs = []
-        for n in nums:
-            leaves, spec = optree.tree_flatten(args[n])
+        for n, (leaves, spec) in zip(nums, flat):
             fresh = []
             for leaf in leaves:
                 if not isinstance(leaf, torch.Tensor):
