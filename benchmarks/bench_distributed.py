@@ -29,8 +29,9 @@ from __future__ import annotations
 import argparse
 import os
 import resource
-import socket
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from datetime import timedelta
@@ -217,11 +218,16 @@ def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
     )
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",  # no listening socket for the rendezvous
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
     rows = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
     for name in args.models:
@@ -241,17 +247,23 @@ def main() -> None:
     args = parser.parse_args()
     args.rounds = args.rounds or (4 if args.quick else 15)
     args.steps = args.steps or (2 if args.quick else 3)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, out)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), args, out))
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
-    rows = out.get()
-    for p in procs:
-        p.join()
+    try:
+        rows = out.get(timeout=3600)  # a rank that died never answers: give up, never hang
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
     print(
         f"2 gloo ranks on 127.0.0.1, 1 thread each, torch {torch.__version__}; "
         f"{args.rounds} rounds x {args.steps} steps; median ratios (lower is better)"

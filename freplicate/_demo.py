@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
+import shutil
+import tempfile
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -187,13 +188,19 @@ def demo(steps: int = 5, devices: Sequence[str] | None = None, batch: int = 32) 
     return ok
 
 
-def _rank(rank: int, port: int, steps: int, batch: int, out: Any) -> None:
+def _rank(rank: int, store: str, steps: int, batch: int, out: Any) -> None:
     """One rank of part 3: train DDP and fr.distributed side by side from one init."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # the ranks talk over loopback only
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
     try:
         torch.manual_seed(rank)  # different inits: both sides start from rank 0's
         model = _model()
@@ -231,15 +238,14 @@ def _rank(rank: int, port: int, steps: int, batch: int, out: Any) -> None:
 
 
 def _two_processes(steps: int, batch: int, tol: float, timeout: float = 120.0) -> bool:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # a file store: no listening socket at all for the rendezvous
+    store = os.path.join(tempfile.mkdtemp(prefix="freplicate-demo-"), "store")
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     print(
         "\n3. fr.distributed.grad_and_value  vs  DistributedDataParallel, 2 gloo ranks on 127.0.0.1"
     )
-    procs = [ctx.Process(target=_rank, args=(r, port, steps, batch, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, store, steps, batch, out)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
@@ -247,6 +253,7 @@ def _two_processes(steps: int, batch: int, tol: float, timeout: float = 120.0) -
     alive = [p for p in procs if p.is_alive()]
     for p in alive:
         p.kill()
+    shutil.rmtree(os.path.dirname(store), ignore_errors=True)
     if alive or any(p.exitcode != 0 for p in procs):
         print(f"   the ranks did not finish cleanly (exit codes {[p.exitcode for p in procs]})")
         return False

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import copy
 import io
+import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -37,12 +39,6 @@ from freplicate.testing import assert_trees_close
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dumps(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -54,18 +50,19 @@ def _loads(data: bytes) -> Any:
 
 
 class RankPool:
-    """``WORLD`` spawned gloo ranks on 127.0.0.1, running one example at a time."""
+    """``WORLD`` spawned gloo ranks (loopback only, a file store), running one example at a time."""
 
     def __init__(self, *, pg_timeout: float = 30.0, reply_timeout: float = 60.0) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self._tmp = tempfile.mkdtemp(prefix="freplicate-prop-")
+        store = os.path.join(self._tmp, "store")
         self.reply_timeout = reply_timeout
         self.tasks = [ctx.Queue() for _ in range(WORLD)]
         self.replies = ctx.Queue()
         self.procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(rank, port, pg_timeout, self.tasks[rank], self.replies),
+                args=(rank, store, pg_timeout, self.tasks[rank], self.replies),
                 daemon=True,
             )
             for rank in range(WORLD)
@@ -109,13 +106,15 @@ class RankPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=10)
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
 
-def _rank_main(rank: int, port: int, pg_timeout: float, tasks: Any, replies: Any) -> None:
+def _rank_main(rank: int, store: str, pg_timeout: float, tasks: Any, replies: Any) -> None:
     torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store}",  # no listening socket for the rendezvous
         rank=rank,
         world_size=WORLD,
         timeout=timedelta(seconds=pg_timeout),

@@ -1,7 +1,8 @@
 """Rank-side code of the distributed tests: a spawner and the scenarios each rank runs.
 
-``spawn(scenarios, ...)`` starts 2 gloo ranks on 127.0.0.1 (a free port found
-by binding port 0), each with a bounded process-group timeout; the parent
+``spawn(scenarios, ...)`` starts 2 gloo ranks talking over loopback only
+(a file store for the rendezvous, so nothing listens on a port; gloo's own
+sockets pinned to ``lo``), each with a bounded process-group timeout; the parent
 waits with its own deadline and kills any child still alive, so a test never
 hangs. Every scenario runs on every rank and returns a picklable value, or
 the exception it raised as ``("raised", type name, message)``; the parent
@@ -16,7 +17,8 @@ import copy
 import io
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -40,15 +42,9 @@ def scenario(f: Callable[[int], Any]) -> Callable[[int], Any]:
     return f
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _main(
     rank: int,
-    port: int,
+    store: str,
     names: list[str],
     out: Any,
     pg_timeout: float,
@@ -56,11 +52,13 @@ def _main(
     stall: bool,
 ) -> None:
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
     dist.init_process_group(
-        "gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=pg_timeout)
+        "gloo",
+        init_method=f"file://{store}",  # no listening socket for the rendezvous
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=pg_timeout),
     )
     if rank == die:
         if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
@@ -90,9 +88,10 @@ def spawn(
     """Run ``names`` on 2 ranks; ``{name: [rank 0's result, rank 1's]}``, killing stragglers."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
+    tmp = tempfile.mkdtemp(prefix="freplicate-test-")
+    store = os.path.join(tmp, "store")
     procs = [
-        ctx.Process(target=_main, args=(r, port, names, out, pg_timeout, die, stall), daemon=True)
+        ctx.Process(target=_main, args=(r, store, names, out, pg_timeout, die, stall), daemon=True)
         for r in range(WORLD)
     ]
     for p in procs:
@@ -115,6 +114,7 @@ def spawn(
             if p.is_alive():
                 p.kill()
                 p.join()
+        shutil.rmtree(tmp, ignore_errors=True)
     if len(got) < expected:
         raise AssertionError(f"only ranks {sorted(got)} reported back within {deadline} s")
     return {n: [got[r][n] if r in got else None for r in range(WORLD)] for n in names}

@@ -33,7 +33,7 @@ def test_data_parallel_on_one_device_returns_the_output_as_the_module_does():
 
 
 _CACHED_LAYOUT_SCRIPT = """
-import socket, sys
+import os, sys, tempfile
 from datetime import timedelta
 
 import torch
@@ -43,8 +43,9 @@ import torch.multiprocessing as mp
 import freplicate as fr
 
 
-def rank_main(rank, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def rank_main(rank, store):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
                             world_size=2, timeout=timedelta(seconds=10))
     fr.distributed.all_reduce({"w": torch.ones(2)})  # one layout on both ranks: checked, cached
     tree = {"w": torch.ones(2)} if rank == 0 else {"w": torch.ones(3)}
@@ -57,10 +58,8 @@ def rank_main(rank, port):
 
 
 if __name__ == "__main__":
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, port)) for r in (0, 1)]
+    store = os.path.join(tempfile.mkdtemp(), "store")
+    procs = [mp.get_context("spawn").Process(target=rank_main, args=(r, store)) for r in (0, 1)]
     for p in procs:
         p.start()
     for p in procs:
