@@ -34,7 +34,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import freplicate as fr
+from freplicate.testing import init_loopback_group
 
 from ._common import MODELS, build
 
@@ -220,14 +220,7 @@ def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
 
 def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",  # no listening socket for the rendezvous
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=120),
-    )
+    init_loopback_group(store, rank, 2, timeout=120)
     rows = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
     for name in args.models:

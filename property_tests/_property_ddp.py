@@ -22,7 +22,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import optree
@@ -34,7 +33,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 import freplicate as fr
-from freplicate.testing import assert_trees_close
+from freplicate.testing import assert_trees_close, init_loopback_group
 
 WORLD = 2
 
@@ -111,14 +110,7 @@ class RankPool:
 
 def _rank_main(rank: int, store: str, pg_timeout: float, tasks: Any, replies: Any) -> None:
     torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",  # no listening socket for the rendezvous
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=pg_timeout),
-    )
+    init_loopback_group(store, rank, WORLD, timeout=pg_timeout)
     try:
         while (task := tasks.get()) is not None:
             seq, check, data = task

@@ -22,7 +22,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -32,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
+from freplicate.testing import init_loopback_group
 
 WORLD = 2
 SCENARIOS: dict[str, Callable[[int], Any]] = {}
@@ -52,14 +52,7 @@ def _main(
     stall: bool,
 ) -> None:
     torch.set_num_threads(1)
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on loopback only
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",  # no listening socket for the rendezvous
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=pg_timeout),
-    )
+    init_loopback_group(store, rank, WORLD, timeout=pg_timeout)
     if rank == die:
         if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
             time.sleep(3 * pg_timeout)

@@ -5,7 +5,8 @@ inputs, and device lists; ``assert_trees_close``, which names the first path
 at which two trees differ; and ``check_against_stateful``, the oracle that
 runs a module through ``fr.data_parallel`` and through PyTorch's stateful
 DataParallel path on the same inputs and compares outputs, gradients and
-buffers. Needs the optional ``hypothesis`` dependency
+buffers; ``init_loopback_group``, a gloo group for multi-process tests on
+one machine that talks over loopback only. Needs the optional ``hypothesis`` dependency
 (``pip install 'freplicate[testing]'``). Like a user's code, it relies only
 on the public face of ``freplicate``.
 
@@ -21,6 +22,7 @@ except ImportError as err:
     ) from err
 
 from ._assertions import assert_trees_close as assert_trees_close
+from ._groups import init_loopback_group as init_loopback_group
 from ._oracle import check_against_stateful as check_against_stateful
 from ._strategies import devices as devices
 from ._strategies import modules as modules
@@ -30,6 +32,7 @@ __all__ = [
     "assert_trees_close",
     "check_against_stateful",
     "devices",
+    "init_loopback_group",
     "modules",
     "trees",
 ]
