@@ -34,10 +34,17 @@ import torch
 import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 
-from ._grad import detached, gradients, split_output
+from ._grad import PLAIN, STACK_NUMEL, Leaves, detached, gradients, split_output
 from ._grad import grad_and_value as _local_grad_and_value
 from ._pack import FlatPool, buckets, check_packable, group_by
-from ._tree import LazyPaths, describe_node, flatten_in_order, paths_of, structure_difference
+from ._tree import (
+    LazyPaths,
+    describe_node,
+    flatten_in_order,
+    paths_of,
+    picker,
+    structure_difference,
+)
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
 
@@ -69,7 +76,16 @@ class _Bucket:
     ``extra=_FLAGS`` spare elements at the end of both: the layout check's flags.
     """
 
-    __slots__ = ("clear", "comm", "comm_dtype", "dtype", "members", "pick", "red", "results")
+    __slots__ = (
+        "clear",
+        "comm",
+        "comm_dtype",
+        "dtype",
+        "members",
+        "red",
+        "results",
+        "run_picks",
+    )
 
     def __init__(
         self,
@@ -80,8 +96,6 @@ class _Bucket:
         extra: int,
     ) -> None:
         self.members = members
-        # picks this bucket's tensors, in order, out of a list in the plan's tensor order
-        self.pick = _picker(members)
         first = tensors[0]
         self.dtype = first.dtype
         self.comm_dtype = comm_dtype
@@ -89,6 +103,12 @@ class _Bucket:
         self.red = dist.ReduceOp.MAX if first.dtype == torch.bool else dist.ReduceOp.SUM
         shapes = [t.shape for t in tensors]
         self.results = FlatPool(shapes, first.dtype, first.device, extra=extra)
+        # one part per run of the pool (``FlatPool.pack``), out of a list in the plan's tensor order
+        self.run_picks = []
+        start = 0
+        for _, count in self.results.runs:
+            self.run_picks.append(picker(members[start : start + count]))
+            start += count
         self.comm = (
             FlatPool(shapes, comm_dtype, first.device, keep=1, extra=extra)
             if comm_dtype != first.dtype
@@ -155,17 +175,28 @@ class _Plan:
         # results come out bucket by bucket; this puts them back in the order of the tensors
         where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
         inverse = [where[k] for k in range(len(tensors))]
-        self.reorder = _picker(inverse)
+        self.reorder = picker(inverse)
         self.bare = slot is None and len(unique) == len(leaves)  # only tensors, no aliasing
         sig = [(tuple(t.shape), str(t.dtype), t.device.type) for t in tensors]
         self.description = (str(spec), sig, slot, options)
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
         self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
+        self.diff: dict[bool, _DiffLayout] = {}  # grad_and_value's, built on first use
         # what a rank on another layout needs to mirror this plan's first collective (``_agree``)
         self.first: tuple[int, torch.dtype, torch.device, Any] | None = None
         if self.buckets:
             b0 = self.buckets[0]
             self.first = (b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
+
+    def diff_layout(self, stack: bool) -> _DiffLayout:
+        layout = self.diff.get(stack)
+        if layout is None:
+            layout = self.diff[stack] = _DiffLayout(self.buckets, stack)
+        return layout
+
+    def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
+        """Bucket ``b``'s tensors out of ``tensors`` (one per unique tensor), one list per run."""
+        return [pick(tensors) for pick in self.buckets[b].run_picks]
 
     def speculates(self, world: int) -> bool:
         """Whether calls may run on the fast path, the check carried by the first bucket's flags.
@@ -204,13 +235,49 @@ class _Plan:
         raise ValueError(f"{fn}: {_mismatch(everyone, self.spec)}")
 
 
-def _picker(idx: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
-    if not idx:
-        return lambda seq: []
-    get = operator.itemgetter(*idx)
-    if len(idx) == 1:
-        return lambda seq: [get(seq)]
-    return lambda seq: list(get(seq))
+class _DiffLayout:
+    """How ``grad_and_value`` differentiates a plan's tensors, bucket by bucket.
+
+    Its ``Leaves`` (``_grad``) come in bucket order; with ``stack``, each
+    run of small equal-shaped tensors of a bucket is one stacked leaf, whose
+    gradient is that run of the bucket as it stands (one copy to pack, one
+    hook to watch). ``spans[b]``: bucket ``b``'s leaves; ``segments[b]``:
+    per run, 0 where it is one stacked leaf, else its number of tensors.
+    """
+
+    __slots__ = ("leaves", "segments", "spans")
+
+    def __init__(self, buckets: Sequence[_Bucket], stack: bool) -> None:
+        groups: list[list[int]] = []
+        self.spans: list[range] = []
+        self.segments: list[list[int]] = []
+        for bucket in buckets:
+            first, segments, start = len(groups), [], 0
+            for shape, count in bucket.results.runs:
+                ids = bucket.members[start : start + count]
+                start += count
+                if stack and count > 1 and shape.numel() <= STACK_NUMEL:
+                    groups.append(ids)
+                    segments.append(0)
+                else:
+                    groups += ([k] for k in ids)
+                    segments.append(count)
+            self.spans.append(range(first, len(groups)))
+            self.segments.append(segments)
+        self.leaves = Leaves(groups)
+
+    def parts(self, b: int, grads: Sequence[torch.Tensor]) -> list[Any]:
+        """``FlatPool.pack``'s parts of bucket ``b`` from its leaves' gradients, in span order."""
+        parts: list[Any] = []
+        i = 0
+        for n in self.segments[b]:
+            if n == 0:
+                parts.append(grads[i])
+                i += 1
+            else:
+                parts.append(grads[i : i + n])
+                i += n
+        return parts
 
 
 def _comm_device(group: Any) -> torch.device:
@@ -280,7 +347,6 @@ _AGREED: weakref.WeakKeyDictionary[Any, tuple[_Agreed, _Agreed | None]] = (
 )
 _SIG = operator.attrgetter("shape", "dtype", "device")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 _PLANS_LOCK = threading.Lock()
 
 
@@ -428,18 +494,18 @@ class _Reduction:
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
-    def stage(self, b: int, tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-        """Pack bucket ``b`` from ``tensors`` (its members, in order), ready to start."""
+    def stage(self, b: int, parts: Sequence[Any]) -> tuple[Any, ...]:
+        """Pack bucket ``b`` from ``parts`` (``FlatPool.pack``'s, one per run), ready to start."""
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
         # a mean divides before the sum, as DDP does: one pass with the copy, no overflow in fp16
         div = self.world if self.op == "mean" else 1
         if bucket.comm is None:
             comm = res
-            bucket.results.pack(runs, tensors, div=div)
+            bucket.results.pack(runs, parts, div=div)
         else:
             comm, comm_runs = bucket.comm.take()
-            bucket.comm.pack(comm_runs, tensors, div=div)
+            bucket.comm.pack(comm_runs, parts, div=div)
         if bucket.clear is not None:
             comm[-_FLAGS:].copy_(bucket.clear)
         return runs, comm, res, bucket.red
@@ -460,8 +526,8 @@ class _Reduction:
         if poisoned is not None and comm[-_FLAGS].item() != 0:
             poisoned()  # a rank mirrored the agreed layout: it runs another one
 
-    def launch(self, b: int, tensors: Sequence[torch.Tensor]) -> None:
-        self.start(self.stage(b, tensors))
+    def launch(self, b: int, parts: Sequence[Any]) -> None:
+        self.start(self.stage(b, parts))
 
     def finish(self, build: Callable[[Sequence[torch.Tensor]], Any]) -> Any:
         """``build`` of the results (one per unique tensor of the plan), returned once all landed.
@@ -537,7 +603,7 @@ def all_reduce(
         poisoned = (lambda: plan.mismatch(tree, group, fn)) if fast else None
         red = _Reduction(plan, op, group, world, poisoned)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        staged = [red.stage(b, bucket.pick(tensors)) for b, bucket in enumerate(plan.buckets)]
+        staged = [red.stage(b, plan.parts(b, tensors)) for b in range(len(plan.buckets))]
         for st in staged:
             red.start(st)
         return red.finish(lambda results: _rebuild(plan, leaves, results))
@@ -579,7 +645,7 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
         for bucket in plan.buckets:
             flat, runs = bucket.results.take()
             if root:
-                bucket.results.pack(runs, bucket.pick(tensors))
+                bucket.results.pack(runs, [pick(tensors) for pick in bucket.run_picks])
             staged.append((flat, runs))
         if probe is not None:
             plan.verify(probe, tree, group, fn)
@@ -731,19 +797,26 @@ def _overlapped(
     bucket's flags are read just before the second bucket starts (from a
     later hook, or once the backward pass is over), so it rarely blocks.
     """
-    fresh: list[torch.Tensor] = list(map(_REQUIRES_GRAD_, map(torch.Tensor.detach, leaves)))
+    layout = plan.diff_layout(set(map(type, leaves)) <= PLAIN)  # plain tensors only: stacks
+    made = layout.leaves.make(leaves)
+    if made is None:  # a tensor to stack is not contiguous: one leaf a tensor
+        layout = plan.diff_layout(False)
+        made = layout.leaves.make(leaves)
+    assert made is not None
+    diff, fresh = made
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
     red = _Reduction(plan, op, group, world, poisoned)
     nb = len(plan.buckets)
-    ready: list[list[torch.Tensor | None]] = [[None] * len(b.members) for b in plan.buckets]
-    missing = [len(b.members) for b in plan.buckets]
+    ready: list[list[torch.Tensor | None]] = [[None] * len(span) for span in layout.spans]
+    missing = [len(span) for span in layout.spans]
     handles = []
 
     def launch_ready() -> None:
         # Buckets start in plan order on every rank, whatever order their gradients come in.
         while red.launched < nb and missing[red.launched] == 0:
-            red.launch(red.launched, ready[red.launched])  # type: ignore[arg-type]
+            b = red.launched
+            red.launch(b, layout.parts(b, ready[b]))  # type: ignore[arg-type]
 
     def hook_for(b: int, j: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -755,19 +828,20 @@ def _overlapped(
         return hook
 
     # The last bucket can only start once the backward pass is over: no hooks there.
-    for b, bucket in enumerate(plan.buckets[:-1]):
-        for j, k in enumerate(bucket.members):
-            handles.append(fresh[k].register_hook(hook_for(b, j)))
+    for b, span in enumerate(layout.spans[:-1]):
+        for j, d in enumerate(span):
+            handles.append(diff[d].register_hook(hook_for(b, j)))
     try:
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, name)
-            grads = gradients(value, fresh)
+            grads = gradients(value, diff)
     finally:
         for h in handles:
             h.remove()
     # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
     for b in range(red.launched, nb):
-        red.launch(b, plan.buckets[b].pick(grads))
+        span = layout.spans[b]
+        red.launch(b, layout.parts(b, grads[span.start : span.stop]))
     rest = detached(value, aux, has_aux)  # while the buckets are in flight
     grads_tree = red.finish(lambda results: _rebuild(plan, leaves, results))
     return grads_tree, rest

@@ -299,9 +299,10 @@ class FlatPool:
 
     ``take()`` returns ``(flat, runs)``: ``runs`` are the pool's own views
     of ``flat``, one ``(count, *shape)`` view per run of equal shapes.
-    ``pack(runs, tensors)`` copies ``tensors`` in (casting to the pool's
-    dtype); ``views(runs)`` makes fresh per-tensor views to hand out as
-    results. Those keep their buffer out of use until they, and every view
+    ``pack(runs, parts)`` copies tensors in (casting to the pool's dtype),
+    one part per run: its tensors, or one tensor holding them stacked;
+    ``views(runs)`` makes fresh per-tensor views to hand out as results.
+    Those keep their buffer out of use until they, and every view
     or autograd record made from them, are gone; then a later ``take()``
     hands it out again. At most ``keep`` buffers are kept; when all are busy
     a fresh, unkept one is returned. ``extra`` spare elements follow the
@@ -310,7 +311,7 @@ class FlatPool:
 
     >>> pool = FlatPool([torch.Size([2]), torch.Size([2]), torch.Size([])], torch.float32, "cpu")
     >>> a, runs = pool.take()
-    >>> pool.pack(runs, [torch.ones(2), torch.zeros(2), torch.tensor(5.0)])
+    >>> pool.pack(runs, [[torch.ones(2), torch.zeros(2)], torch.tensor([5.0])])
     >>> result = pool.views(runs)  # handed out: a is busy
     >>> result
     [tensor([1., 1.]), tensor([0., 0.]), tensor(5.)]
@@ -356,23 +357,30 @@ class FlatPool:
         return flat, runs
 
     def pack(
-        self, runs: Sequence[torch.Tensor], tensors: Sequence[torch.Tensor], *, div: int = 1
+        self,
+        runs: Sequence[torch.Tensor],
+        parts: Sequence[torch.Tensor | Sequence[torch.Tensor]],
+        *,
+        div: int = 1,
     ) -> None:
-        """Copy ``tensors`` (shaped as the pool's list) into the buffer of ``runs``.
+        """Copy ``parts`` (one per run: its tensors, or them already stacked) into ``runs``' buffer.
 
         With ``div``, the buffer receives ``tensor / div`` (a mean's division,
-        done in the same pass as the copy where a run holds one tensor).
+        done in the same pass as the copy where a run comes in one tensor).
         """
-        start = 0
         with torch.no_grad():
-            for run, (_, count) in zip(runs, self.runs):
-                if count == 1 and div != 1:
-                    torch.div(tensors[start], div, out=run[0])
+            for run, part in zip(runs, parts):
+                if isinstance(part, torch.Tensor):
+                    if div != 1:
+                        torch.div(part, div, out=run)
+                    else:
+                        run.copy_(part)
+                elif len(part) == 1 and div != 1:
+                    torch.div(part[0], div, out=run[0])
                 else:
-                    torch.stack(list(tensors[start : start + count]), out=run)
+                    torch.stack(list(part), out=run)
                     if div != 1:
                         run.div_(div)
-                start += count
 
     @staticmethod
     def views(runs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
+from freplicate import _grad
 from freplicate.testing import assert_trees_close, modules, trees
 
 FLOATS = (torch.float32, torch.float64)
@@ -89,3 +90,34 @@ def test_composes_under_vmap(tree: Any, batch: int, seed: int):
     got = torch.func.vmap(fr.grad_and_value(f), in_dims=(None, 0))(tree, scales)
     want = torch.func.vmap(torch.func.grad_and_value(f), in_dims=(None, 0))(tree, scales)
     assert_trees_close(got, want)
+
+
+@st.composite
+def _many_small(draw: st.DrawFn) -> dict[str, torch.Tensor]:
+    """Up to 40 small tensors drawn from three shapes and two dtypes (a few too large to stack),
+    some transposed views, in any order: the trees ``fr.grad_and_value`` stacks."""
+    shapes = draw(
+        st.lists(st.sampled_from([(), (1,), (3,), (2, 3), (4, 4)]), min_size=1, max_size=3)
+    )
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+    tree = {}
+    for i in range(draw(st.integers(2, 40))):
+        big = draw(st.integers(0, 15)) == 0
+        shape = (_grad.STACK_NUMEL + 1,) if big else draw(st.sampled_from(shapes))
+        t = torch.randn(shape, generator=g, dtype=draw(st.sampled_from(FLOATS)))
+        if t.dim() == 2 and draw(st.booleans()):
+            t = t.t()
+        tree[f"t{i}"] = t
+    return tree
+
+
+@given(_many_small(), st.integers(0, 3), st.booleans())
+def test_stacked_small_leaves_equal_torch_func_to_the_bit(tree: Any, skip: int, no_grad: bool):
+    f = _objective(refill(tree, 7, integral=False), skip)
+    scale = torch.tensor(1.3)
+    unchanged = Unchanged(tree, scale)
+    with torch.set_grad_enabled(not no_grad):
+        got = fr.grad_and_value(f)(tree, scale)
+    unchanged.check("fr.grad_and_value")
+    want = torch.func.grad_and_value(f)(tree, scale)
+    assert_trees_close(got, want, rtol=0, atol=0)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
+from freplicate import _distributed
 from freplicate.testing import init_loopback_group
 
 WORLD = 2
@@ -383,17 +384,39 @@ class Net(nn.Module):
         return self.fc3(torch.tanh(self.fc2(torch.relu(self.bn(self.fc1(x))))))
 
 
+class DeepNet(nn.Module):
+    """Six hidden layers of one shape: fr.distributed differentiates each bucket's runs stacked."""
+
+    def __init__(self, batchnorm: bool) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.hidden = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(16, 16), nn.Tanh())])
+        self.fc3 = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.hidden(torch.relu(self.fc1(x))))
+
+
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
 
 
-def train(rank: int, *, batchnorm: bool, cap: float, steps: int = 10, lr: float = 0.1) -> Any:
+def train(
+    rank: int,
+    *,
+    batchnorm: bool,
+    cap: float,
+    steps: int = 10,
+    lr: float = 0.1,
+    net: type[nn.Module] = Net,
+) -> Any:
     from torch.distributed._composable import replicate
     from torch.nn.parallel import DistributedDataParallel
 
+    _distributed._PLANS.clear()  # on every rank: plans of earlier scenarios are not this one's
     torch.manual_seed(0)
-    model = Net(batchnorm)
+    model = net(batchnorm)
     ddp = DistributedDataParallel(copy.deepcopy(model))
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=lr)
     rep = copy.deepcopy(model)
@@ -428,6 +451,11 @@ def train(rank: int, *, batchnorm: bool, cap: float, steps: int = 10, lr: float 
         "rep": {k: p.detach() for k, p in rep.named_parameters()},
         "losses": losses,
         "model_unchanged": unchanged(s, snap),
+        "stacked": [  # per grad plan: (buckets, runs differentiated as one stacked leaf)
+            (len(plan.buckets), sum(segments.count(0) for segments in layout.segments))
+            for plan in _distributed._PLANS.values()
+            for layout in plan.diff.values()
+        ],
     }
 
 
@@ -445,6 +473,12 @@ def train_batchnorm(rank: int) -> Any:
 def train_tiny_buckets(rank: int) -> Any:
     """A bucket per tensor: every bucket but the last launched from a gradient hook."""
     return train(rank, batchnorm=True, cap=1e-6)
+
+
+@scenario
+def train_stacked(rank: int) -> Any:
+    """Buckets of ~3 KB hold runs of equal hidden layers: hooks on stacked leaves launch them."""
+    return train(rank, batchnorm=False, cap=0.003, net=DeepNet)
 
 
 @scenario

@@ -275,9 +275,15 @@ def test_sync_buffers_mean_and_broadcast(job):
 # --- grad_and_value against DDP and composable replicate --------------------------------
 
 
-@pytest.mark.parametrize("name", ["train_mlp", "train_batchnorm", "train_tiny_buckets"])
+@pytest.mark.parametrize(
+    "name", ["train_mlp", "train_batchnorm", "train_tiny_buckets", "train_stacked"]
+)
 def test_sgd_steps_equal_ddp_and_replicate(job, name):
     results = ok(job, name)
+    if name == "train_stacked":  # stacked leaves filled runs of several buckets
+        for r in results:
+            ((buckets, stacked_runs),) = r["stacked"]
+            assert buckets >= 3 and stacked_runs >= 4, r["stacked"]
     for r in results:
         close(r["fr"], r["ddp"], rtol=0, atol=1e-6)
         close(r["fr"], r["rep"], rtol=0, atol=1e-6)
@@ -349,7 +355,9 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     from freplicate import _distributed
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    plan, leaves = _distributed._plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
+    plan, leaves = _distributed._plan_for(
+        tree, "fr.distributed.all_reduce", "mean", 1.0, None, None
+    )
     names = list(tree)
     name_of = {id(t): n for n, t in tree.items()}
     order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]

@@ -14,6 +14,7 @@ from torch import nn
 from torch._C._functorch import maybe_current_level
 
 import freplicate as fr
+from freplicate import _grad
 
 
 class Model(nn.Module):
@@ -289,3 +290,84 @@ def test_under_inference_mode_and_with_inference_tensors() -> None:
     assert torch.equal(got[0], 2 * w * c)
     assert w_inf.is_inference()
     assert_same(fr.grad_and_value(f)(w_inf, c), torch.func.grad_and_value(f)(w_inf, c), exact=True)
+
+
+# --- small tensors of one shape differentiated as one stacked leaf (``_grad.Leaves``) ---------
+
+
+def _small_tree() -> dict[str, torch.Tensor]:
+    """Small tensors of two shapes and dtypes, interleaved, and one too large to stack."""
+    g = torch.Generator().manual_seed(3)
+    tree = {}
+    for i in range(9):
+        if i % 2:
+            tree[f"p{i}"] = torch.randn(3, generator=g, dtype=torch.float64)
+        else:
+            tree[f"p{i}"] = torch.randn(3, 3, generator=g)
+    tree["p5_big"] = torch.randn(_grad.STACK_NUMEL + 1, generator=g)
+    return tree
+
+
+def _small_objective(tree: dict[str, torch.Tensor], c: torch.Tensor) -> torch.Tensor:
+    total = (tree["p5_big"] * 0.5).sum()
+    for k, v in tree.items():
+        if k in ("p2", "p7"):  # do not reach the output: zero gradients
+            continue
+        if k != "p5_big":
+            total = total + (torch.sin(v.double() * c) * v.double()).sum()
+    return total
+
+
+def test_stacked_small_tensors_equal_torch_func_to_the_bit() -> None:
+    tree = _small_tree()
+    layout = _grad.leaves_for(list(tree.values()))
+    assert max(layout.sizes) > 1 and layout.make(list(tree.values())) is not None  # stacked
+    versions = {k: v._version for k, v in tree.items()}
+    c = torch.tensor(0.7, dtype=torch.float64)
+    got = fr.grad_and_value(_small_objective)(tree, c)
+    assert_same(got, torch.func.grad_and_value(_small_objective)(tree, c), exact=True)
+    assert torch.equal(got[0]["p2"], torch.zeros(3, 3)) and got[0]["p7"].dtype == torch.float64
+    assert {k: v._version for k, v in tree.items()} == versions
+    with torch.no_grad():  # views of the stack must still track it
+        got = fr.grad_and_value(_small_objective)(tree, c)
+    assert_same(got, torch.func.grad_and_value(_small_objective)(tree, c), exact=True)
+    # a transposed tensor would reach f contiguous, and sums round by strides: none stacked
+    tree["p4"] = tree["p4"].t()
+    assert _grad.leaves_for(list(tree.values())).make(list(tree.values())) is None
+    got = fr.grad_and_value(_small_objective)(tree, c)
+    assert_same(got, torch.func.grad_and_value(_small_objective)(tree, c), exact=True)
+
+
+def test_stacked_model_equals_the_stateful_backward() -> None:
+    torch.manual_seed(4)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(5, 5), nn.Tanh())])
+    s = fr.state(model)
+    assert max(_grad.leaves_for(list(s.params.values())).sizes) == 6
+    x = torch.randn(7, 5)
+
+    def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
+        return fr.apply(model, fr.State(params, s.buffers), x)[0].pow(2).mean()
+
+    grads, value = fr.grad_and_value(loss)(s.params)
+    oracle = copy.deepcopy(model)
+    ref_value = oracle(x).pow(2).mean()
+    ref_value.backward()
+    assert torch.equal(value, ref_value.detach())
+    for k, p in oracle.named_parameters():
+        assert torch.equal(grads[k], p.grad), k
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_sparse_and_integer_leaves_of_one_shape_behave_as_unstacked() -> None:
+    a, b = torch.eye(3).to_sparse(), (2 * torch.eye(3)).to_sparse()
+
+    def f(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.sparse.sum(t["a"] * 3) + torch.sparse.sum(t["b"])
+
+    got = fr.grad_and_value(f)({"a": a, "b": b})
+    expected = torch.func.grad_and_value(f)({"a": a, "b": b})
+    for k in ("a", "b"):
+        assert torch.equal(got[0][k].to_dense(), expected[0][k].to_dense())
+    ints = {"i": torch.ones(2, dtype=torch.long), "j": torch.ones(2, dtype=torch.long)}
+    with pytest.raises(RuntimeError, match="floating point"):
+        fr.grad_and_value(lambda t: t["i"].sum())(ints)
