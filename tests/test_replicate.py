@@ -125,6 +125,34 @@ def test_parameters_and_no_tensor_trees() -> None:
     assert fr.replicate(tree, ["cpu", "meta"]) == [tree, tree]
 
 
+def test_a_state_on_its_device_is_shared_with_new_dicts() -> None:
+    base = fr.state(nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3)))
+    s = fr.State({**base.params, "tie": base.params["0.weight"]}, base.buffers)  # one tensor twice
+    snap = guard(s)
+    replicas = fr.replicate(s, ["cpu", torch.device("cpu"), "cpu"])
+    assert len(replicas) == 3
+    for r in replicas:
+        assert type(r) is fr.State and r.params is not s.params and r.buffers is not s.buffers
+        assert list(r.params) == list(s.params) and list(r.buffers) == list(s.buffers)
+        assert all(r.params[k] is v for k, v in s.params.items())
+        assert all(r.buffers[k] is v for k, v in s.buffers.items())
+        r.params["new"] = torch.ones(1)  # each replica's dicts are its own
+    assert "new" not in s.params and replicas[0].params is not replicas[1].params
+    assert_unchanged(snap)
+    # what the general path (a tree that is not a State) builds: the same, up to the node type
+    general = fr.replicate(tuple(s), ["cpu"])[0]
+    assert list(general[0]) == list(s.params) and all(
+        general[0][k] is v for k, v in s.params.items()
+    )
+    # a non-tensor leaf, a detached copy or another device: the general path, still a State
+    odd = fr.State({"w": torch.ones(2), "n": None}, {})  # type: ignore[dict-item]
+    assert fr.replicate(odd, ["cpu"])[0] == odd
+    (meta,) = fr.replicate(s, ["meta"])
+    assert type(meta) is fr.State and meta.params["tie"] is meta.params["0.weight"]
+    (det,) = fr.replicate(s, ["cpu"], detach=True)
+    assert type(det) is fr.State and torch.equal(det.params["tie"], s.params["tie"])
+
+
 def oracle_copies(
     tree: dict[str, torch.Tensor], devices: list[str]
 ) -> list[dict[str, torch.Tensor]]:
