@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 import optree
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
-from freplicate.testing import assert_trees_close, devices, trees
+from freplicate.testing import assert_trees_close, devices, modules, trees
 from freplicate.testing._strategies import FLOAT_DTYPES
 
 
@@ -122,3 +123,22 @@ def test_replicas_on_the_meta_device_keep_structure_shapes_and_dtypes(
             assert x is a
     for replica, dev in zip(real, devs):
         assert_trees_close(replica, to_device(tree, dev))
+
+
+@given(modules(), devices())
+def test_replicas_of_a_state_equal_deep_copies_of_the_module(pair: Any, devs: list[str]):
+    """The State fast path (every tensor already on every target) and the general one alike."""
+    module, _ = pair
+    s = fr.state(module)
+    unchanged = Unchanged(s)
+    replicas = fr.replicate(s, devs)
+    unchanged.check("fr.replicate")
+    for replica, dev in zip(replicas, devs):
+        assert type(replica) is fr.State
+        copy = deepcopy(module).to(dev)
+        assert list(replica.params) == list(s.params) and list(replica.buffers) == list(s.buffers)
+        assert_trees_close(replica.params, dict(copy.named_parameters()))
+        assert_trees_close(replica.buffers, dict(copy.named_buffers()))
+        for k, v in s.params.items():  # shared where already on the device, else moved
+            assert (replica.params[k] is v) == (v.device == torch.device(dev))
+            assert replica.params[k].device == torch.device(dev)
