@@ -4,12 +4,13 @@
 ``GradTrackingTensor`` and unwraps every result, a per-tensor cost that
 dominates on models of hundreds of small tensors. Outside any ``torch.func``
 transform the same gradients come from one ``torch.autograd.grad`` call over
-fresh detached leaves (the caller's tensors are never touched), with zeros
-for leaves that do not reach the output. Under a transform (``vmap``,
-``grad``, ``jvp`` ...), under ``torch.inference_mode`` (where autograd records
-nothing), for inference tensors, or when some input already carries an
-autograd graph, it defers to ``torch.func.grad_and_value`` itself, so it
-composes exactly as that does.
+fresh detached leaves (the caller's tensors are never touched; small ones of
+one shape stacked into one leaf, ``Leaves``), with zeros for leaves that do
+not reach the output. Under a transform (``vmap``, ``grad``, ``jvp`` ...),
+under ``torch.inference_mode`` (where autograd records nothing), for
+inference tensors, or when some input already carries an autograd graph, it
+defers to ``torch.func.grad_and_value`` itself, so it composes exactly as
+that does.
 """
 
 from __future__ import annotations

@@ -86,6 +86,7 @@ class _Skeleton:
     """One shallow copy of a module tree, with its own tensor and child dicts."""
 
     __slots__ = (
+        "bound_dicts",
         "buffer_slots",
         "dicts",
         "own",
@@ -121,7 +122,10 @@ class _Skeleton:
         ]
         # the same, column-wise, for the C-speed binding of a complete ``params``
         self.param_dicts = [d for d, _, _, _ in self.param_slots]
-        self.param_origs = [od for _, _, _, od in self.param_slots]
+        # each copy's parameter dict once, beside its original's: unbinding restores it whole
+        pairs = {id(d): (d, od) for d, _, _, od in self.param_slots}
+        self.bound_dicts = [d for d, _ in pairs.values()]
+        self.param_origs = [od for _, od in pairs.values()]
         self.buffer_slots: _Slots = [
             (copies[i]._buffers, key, canon, mods[i]._buffers)
             for i, key, canon in binder.buffer_slots
@@ -335,8 +339,7 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     finally:
         # unbind (back to the module's own tensors), so that a pooled skeleton
         # keeps no caller's tensor alive
-        originals = map(dict.get, skel.param_origs, b.param_keys)
-        deque(map(operator.setitem, skel.param_dicts, b.param_keys, originals), 0)
+        deque(map(dict.update, skel.bound_dicts, skel.param_origs), 0)
         for d, key, _, od in skel.buffer_slots:
             d[key] = od.get(key)
         b.release(skel)

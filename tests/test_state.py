@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -571,3 +573,18 @@ def test_forward_arguments_named_module_or_state_pass_through() -> None:
     s = fr.State({"w": torch.full((2,), 2.0)}, {})
     out, _ = fr.apply(m, s, torch.ones(2), module=3.0, state=5.0)
     assert torch.equal(out, torch.full((2,), 30.0))
+
+
+def test_no_caller_tensor_outlives_the_call() -> None:
+    # the pooled skeleton is unbound after each call: it keeps the module's own tensors only
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2, bias=False))
+    s = fr.state(model)
+    params = {k: v.clone() for k, v in s.params.items()}
+    buffers = {k: v.clone() for k, v in s.buffers.items()}
+    refs = [weakref.ref(t) for t in (*params.values(), *buffers.values())]
+    out, new = fr.apply(model, fr.State(params, buffers), torch.randn(4, 3))
+    del params, buffers, out, new
+    gc.collect()
+    assert all(r() is None for r in refs)
+    out, _ = fr.apply(model, s, torch.randn(4, 3))  # and the module is whole again
+    assert model[2].bias is None and out.shape == (4, 2)
