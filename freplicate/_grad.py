@@ -128,6 +128,8 @@ _SIG = operator.attrgetter("shape", "dtype", "device")
 # Tensors of at most this many elements are stacked with the others of their shape (``Leaves``):
 # below it a stack's copy costs less than a leaf of their own (~2 us of autograd bookkeeping).
 STACK_NUMEL = 4096
+# Fewer tensors than this are never stacked: the layout lookup would cost more than it saves.
+_STACK_MIN_TENSORS = 8
 PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _LAYOUT_CACHE_SIZE = 16
 
@@ -236,7 +238,7 @@ def stack_groups(
 
 def leaves_for(tensors: Sequence[torch.Tensor]) -> Leaves:
     """The cached ``Leaves`` of ``tensors``' layout (plain tensors only are ever stacked)."""
-    if len(tensors) < 2 or not set(map(type, tensors)) <= PLAIN:
+    if len(tensors) < _STACK_MIN_TENSORS or not set(map(type, tensors)) <= PLAIN:
         return UNSTACKED
     sigs = tuple(map(_SIG, tensors))
     layout = _LAYOUTS.get(sigs)
