@@ -1,9 +1,12 @@
 """fr.distributed against DistributedDataParallel and composable replicate, on 2 gloo ranks.
 
 Run ``.venv/bin/python -m benchmarks.bench_distributed`` (``--quick`` for a
-short run). Two ranks are spawned on 127.0.0.1, one thread each. Every round
-runs every side for a few steps, the sides in an order rotated round by
-round (the same order on both ranks: they are collective); a step's time is
+short run). Two ranks are spawned on 127.0.0.1, one thread each, rank r
+pinned to core r (``--no-pin`` leaves placement to the OS: the ranks and
+gloo's threads then migrate between the two cores, and the small-model rows
+swing by up to 30% from run to run, DDP's own composable ``replicate`` too).
+Every round runs every side for a few steps, the sides in an order rotated
+round by round (the same order on both ranks: they are collective); a step's time is
 the slowest rank's (per-step times all-reduced with MAX after the round);
 each side's time in a round is its median step, and the figure is the
 median over rounds of the per-round ratio to the baseline (DDP, or one flat
@@ -220,6 +223,8 @@ def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
 
 def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
     torch.set_num_threads(1)
+    if args.pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})  # its gloo threads inherit it
     init_loopback_group(store, rank, 2, timeout=120)
     rows = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
@@ -237,6 +242,12 @@ def main() -> None:
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let the OS place the ranks (default: rank r pinned to core r)",
+    )
     args = parser.parse_args()
     args.rounds = args.rounds or (4 if args.quick else 15)
     args.steps = args.steps or (2 if args.quick else 3)

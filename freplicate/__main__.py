@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     sys.path.insert(0, str(root))
     for name in args.names:
+        # imported, not run as __main__: spawned ranks must find their worker by module name
+        module = importlib.import_module(f"benchmarks.{name}")
         sys.argv = [name] + (["--quick"] if args.quick else [])
-        runpy.run_module(f"benchmarks.{name}", run_name="__main__")
+        module.main()
     return 0
 
 
