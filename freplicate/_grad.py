@@ -158,7 +158,7 @@ class Leaves:
     [[3.0, 3.0], [0.0, 0.0], [1.0, 1.0, 1.0]]
     """
 
-    __slots__ = ("gets", "identity", "reorder", "sizes")
+    __slots__ = ("gets", "identity", "reorder", "singles", "sizes")
 
     def __init__(self, groups: Sequence[Sequence[int]]) -> None:
         self.sizes = [len(g) for g in groups]
@@ -166,6 +166,8 @@ class Leaves:
         order = [i for g in groups for i in g]
         # no group (any number of tensors), or one leaf a tensor in the tensors' order
         self.identity = order == list(range(len(order))) and all(k == 1 for k in self.sizes)
+        # nothing stacked, in another order (fr.distributed's buckets): the leaves in that order
+        self.singles = picker(order) if all(k == 1 for k in self.sizes) else None
         inverse = [0] * len(order)
         for j, i in enumerate(order):
             inverse[i] = j
@@ -184,7 +186,10 @@ class Leaves:
         if self.identity:
             fresh = list(map(_REQUIRES_GRAD_, map(_DETACH, tensors)))
             return fresh, fresh
-        diff: list[torch.Tensor] = []
+        if self.singles is not None:
+            diff = list(map(_REQUIRES_GRAD_, map(_DETACH, self.singles(tensors))))
+            return diff, self.reorder(diff)
+        diff = []
         views: list[torch.Tensor] = []
         with torch.enable_grad():  # views of a stack track it even under no_grad
             for get, k in zip(self.gets, self.sizes):
@@ -204,6 +209,8 @@ class Leaves:
         """One gradient per position, from the gradients of the ``diff`` that ``make`` returned."""
         if self.identity:
             return list(grads)
+        if self.singles is not None:
+            return self.reorder(grads)
         out: list[torch.Tensor] = []
         for g, k in zip(grads, self.sizes):
             if k == 1:
