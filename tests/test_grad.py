@@ -371,3 +371,25 @@ def test_sparse_and_integer_leaves_of_one_shape_behave_as_unstacked() -> None:
     ints = {"i": torch.ones(2, dtype=torch.long), "j": torch.ones(2, dtype=torch.long)}
     with pytest.raises(RuntimeError, match="floating point"):
         fr.grad_and_value(lambda t: t["i"].sum())(ints)
+
+
+def test_complex_values_and_tensor_subclasses_take_autograd_grad_itself() -> None:
+    # the engine is called directly only for real scalars of plain tensors
+    with pytest.raises(RuntimeError, match="only for real scalar outputs"):
+        fr.grad_and_value(lambda w: (w * (1 + 2j)).sum())(torch.ones(2))
+
+    calls: list[str] = []
+
+    class Logged(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.autograd.grad:
+                calls.append("grad")
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    w = torch.tensor([1.0, 2.0]).as_subclass(Logged)
+    got = fr.grad_and_value(lambda w: (w * w).sum())(w)
+    expected = torch.func.grad_and_value(lambda w: (w * w).sum())(torch.tensor([1.0, 2.0]))
+    assert calls == ["grad"]
+    assert torch.equal(got[0].as_subclass(torch.Tensor), expected[0])
+    assert torch.equal(got[1].as_subclass(torch.Tensor), expected[1])
