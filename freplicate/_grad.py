@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -231,6 +232,7 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> bool:
 
 UNSTACKED = Leaves([])
 _LAYOUTS: dict[tuple[Any, ...], Leaves] = {}
+_LAYOUTS_LOCK = threading.Lock()
 
 
 def stack_groups(
@@ -254,9 +256,10 @@ def leaves_for(tensors: Sequence[torch.Tensor]) -> Leaves:
     if layout is None:
         groups = stack_groups(sigs, range(len(sigs)))
         layout = Leaves(groups) if len(groups) < len(sigs) else UNSTACKED  # none stacked: as given
-        _LAYOUTS[sigs] = layout
-        while len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
-            del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest layout
+        with _LAYOUTS_LOCK:  # fr.data_parallel_grad's replicas call this from several threads
+            _LAYOUTS[sigs] = layout
+            while len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
+                del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest layout
     return layout
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 from collections import namedtuple
 from typing import Any
 
@@ -393,3 +394,30 @@ def test_complex_values_and_tensor_subclasses_take_autograd_grad_itself() -> Non
     assert calls == ["grad"]
     assert torch.equal(got[0].as_subclass(torch.Tensor), expected[0])
     assert torch.equal(got[1].as_subclass(torch.Tensor), expected[1])
+
+
+def test_layouts_from_many_threads_at_once() -> None:
+    # fr.data_parallel_grad differentiates from one thread per replica: the layout cache
+    # (16 entries) is filled and evicted concurrently here, 8 threads x 12 layouts each
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def f(tree: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((torch.sin(v) * (i + 1)).sum() for i, v in enumerate(tree.values()))  # type: ignore[return-value]
+
+    def work(seed: int) -> None:
+        try:
+            barrier.wait()
+            for n in range(12):
+                tree = {f"p{i}": torch.randn(seed + 1, n + 1) for i in range(9)}
+                got = fr.grad_and_value(f)(tree)
+                assert_same(got, torch.func.grad_and_value(f)(tree), exact=True)
+        except BaseException as e:  # reported below, in the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not errors, errors
