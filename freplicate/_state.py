@@ -23,6 +23,7 @@ import operator
 import threading
 import weakref
 from collections import deque
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import torch
@@ -78,6 +79,7 @@ nn.modules.module.register_module_module_registration_hook(_bump)
 
 _MISSING: Any = object()
 _MODULES = operator.itemgetter("_modules")
+_SET_ATTR = object.__setattr__  # past nn.Module.__setattr__: the copy's __dict__ itself
 # where a tensor is bound: (the copy's dict, key, canonical name, the original's dict)
 _Slots = list[tuple[dict[str, Any], str, str, dict[str, Any]]]
 
@@ -88,7 +90,7 @@ class _Skeleton:
     __slots__ = (
         "bound_dicts",
         "buffer_slots",
-        "dicts",
+        "copies",
         "own",
         "param_dicts",
         "param_origs",
@@ -111,7 +113,7 @@ class _Skeleton:
             for key, j in binder.children[i]:
                 c._modules[key] = copies[j] if j >= 0 else None
         self.root = copies[0]
-        self.dicts = [copies[i].__dict__ for i in binder.copied]
+        self.copies = [copies[i] for i in binder.copied]
         self.own = [
             {"_parameters": c._parameters, "_buffers": c._buffers, "_modules": c._modules}
             for c in (copies[i] for i in binder.copied)
@@ -300,17 +302,11 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     buffers = _canonical(state[1], b, "buffers")
     skel = b.acquire()
     try:
-        deque(map(dict.update, skel.dicts, b.copied_dicts), 0)
-        deque(map(dict.update, skel.dicts, skel.own), 0)
-        # an update never removes a key, so each copy holds at least its original's
-        # keys, and equal totals mean equal key sets
-        if sum(map(len, skel.dicts)) != sum(map(len, b.copied_dicts)):
-            # an attribute deleted from the module, or set on the skeleton by a forward
-            for sd, od, own in zip(skel.dicts, b.copied_dicts, skel.own):
-                if len(sd) != len(od):
-                    sd.clear()
-                    sd.update(od)
-                    sd.update(own)
+        # each copy gets a new attribute dict: its original's, with its own tensor and child
+        # dicts (``original | own``, a C-level clone): train()/eval() and any attribute
+        # change are seen, and an attribute a forward set on the copy is forgotten
+        fresh = map(operator.or_, b.copied_dicts, skel.own)
+        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), fresh), 0)
         pget, bget = params.get, buffers.get
         if complete:  # every parameter given: bind at C speed
             values = map(params.__getitem__, b.param_canon)
