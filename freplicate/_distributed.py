@@ -44,6 +44,7 @@ from ._tree import (
     paths_of,
     picker,
     structure_difference,
+    tensor_values,
 )
 
 __all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
@@ -346,6 +347,7 @@ _AGREED: weakref.WeakKeyDictionary[Any, tuple[_Agreed, _Agreed | None]] = (
     weakref.WeakKeyDictionary()
 )
 _SIG = operator.attrgetter("shape", "dtype", "device")
+_DICT = object()  # marks a plan key made from a plain dict's keys (``tensor_values``)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _PLANS_LOCK = threading.Lock()
 
@@ -354,33 +356,44 @@ def _plan_for(
     tree: Any, fn: str, op: str, cap_mb: float, compress: str | None, src: int | None
 ) -> tuple[_Plan, list[Any]]:
     """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
-    leaves, spec = flatten_in_order(tree)  # buckets follow the order gradients become ready
     options = (fn, op, cap_mb, compress, src)
     slot: list[int] | None = None
     unique: list[int]
-    kinds = set(map(type, leaves))
-    if all(issubclass(k, torch.Tensor) for k in kinds) and len(set(map(id, leaves))) == len(leaves):
-        # the common case (a tree of distinct tensors): a key built at C speed
-        key: tuple[Any, ...] = (spec, tuple(map(_SIG, leaves)), options)
+    values = tensor_values(tree)
+    if values is not None and len(set(map(id, values))) == len(values):
+        # the commonest tree (a dict of distinct tensors: params, gradients): keyed by its keys
+        key: tuple[Any, ...] = (_DICT, tuple(tree), tuple(map(_SIG, values)), options)
         plan = _PLANS.get(key)
         if plan is not None:
-            return plan, leaves
+            return plan, values
+        leaves, spec = flatten_in_order(tree)  # the same leaves, and the spec the plan keeps
         unique = list(range(len(leaves)))
-    else:  # non-tensor leaves, or a tensor at several positions (tied weights)
-        unique, slot = [], []
-        seen: dict[int, int] = {}
-        for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
-                pos = seen.setdefault(id(x), len(unique))
-                if pos == len(unique):
-                    unique.append(i)
-                slot.append(pos)
-            else:
-                slot.append(-1)
-        key = (spec, tuple(_SIG(leaves[i]) for i in unique), tuple(slot), options)
-        plan = _PLANS.get(key)
-        if plan is not None:
-            return plan, leaves
+    else:
+        leaves, spec = flatten_in_order(tree)  # buckets follow the order gradients become ready
+        kinds = set(map(type, leaves))
+        distinct = len(set(map(id, leaves))) == len(leaves)
+        if all(issubclass(k, torch.Tensor) for k in kinds) and distinct:
+            # a tree of distinct tensors: a key built at C speed
+            key = (spec, tuple(map(_SIG, leaves)), options)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan, leaves
+            unique = list(range(len(leaves)))
+        else:  # non-tensor leaves, or a tensor at several positions (tied weights)
+            unique, slot = [], []
+            seen: dict[int, int] = {}
+            for i, x in enumerate(leaves):
+                if isinstance(x, torch.Tensor):
+                    pos = seen.setdefault(id(x), len(unique))
+                    if pos == len(unique):
+                        unique.append(i)
+                    slot.append(pos)
+                else:
+                    slot.append(-1)
+            key = (spec, tuple(_SIG(leaves[i]) for i in unique), tuple(slot), options)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan, leaves
     if cap_mb <= 0:
         raise ValueError(f"{fn}: bucket_cap_mb must be positive, got {cap_mb}")
     plan = _Plan(

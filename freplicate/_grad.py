@@ -15,6 +15,7 @@ that does.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 import threading
@@ -27,7 +28,7 @@ import torch.func
 from torch._C._functorch import maybe_current_level
 from torch.overrides import has_torch_function
 
-from ._tree import picker
+from ._tree import picker, tensor_values
 
 __all__ = ["Leaves", "grad_and_value", "leaves_for"]
 
@@ -64,7 +65,7 @@ def grad_and_value(
                     f"fr.grad_and_value: argnums={argnums!r} is out of range for "
                     f"{len(args)} positional argument(s)"
                 )
-        flat = [optree.tree_flatten(args[n]) for n in nums]  # each differentiated tree once
+        flat = [_flatten(args[n]) for n in nums]  # each differentiated tree once
         chosen = {n % len(args) for n in nums}
         others = [a for i, a in enumerate(args) if i not in chosen]
         rest: list[Any] = optree.tree_leaves((others, kwargs))  # type: ignore[arg-type]
@@ -100,16 +101,16 @@ def grad_and_value(
             raise
         new_args = list(args)
         start = 0
-        for n, (leaves, spec) in zip(nums, flat):
-            new_args[n] = optree.tree_unflatten(spec, fresh[start : start + len(leaves)])
+        for n, (leaves, rebuild) in zip(nums, flat):
+            new_args[n] = rebuild(fresh[start : start + len(leaves)])
             start += len(leaves)
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
             grads = layout.split(gradients(value, diff))
         trees = []
         start = 0
-        for leaves, spec in flat:
-            trees.append(optree.tree_unflatten(spec, grads[start : start + len(leaves)]))
+        for leaves, rebuild in flat:
+            trees.append(rebuild(grads[start : start + len(leaves)]))
             start += len(leaves)
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         return result, detached(value, aux, has_aux)
@@ -117,6 +118,16 @@ def grad_and_value(
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"grad_and_value({getattr(fn, '__name__', 'fn')})"
     return wrapper
+
+
+def _flatten(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
+    """``(leaves, rebuild)``; a plain dict of tensors is taken as it is, without optree."""
+    values = tensor_values(tree)
+    if values is not None:
+        keys = list(tree)
+        return values, lambda new: dict(zip(keys, new))
+    leaves, spec = optree.tree_flatten(tree)
+    return leaves, functools.partial(optree.tree_unflatten, spec)
 
 
 # The steps shared with fr.distributed.grad_and_value, which runs the same fast path.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import threading
 from collections import namedtuple
@@ -421,3 +422,19 @@ def test_layouts_from_many_threads_at_once() -> None:
     for t in threads:
         t.join(timeout=120)
     assert not any(t.is_alive() for t in threads) and not errors, errors
+
+
+def test_a_plain_dict_comes_back_in_its_own_key_order() -> None:
+    # a dict of tensors skips optree: its gradients keep the dict's insertion order, as torch.func
+    tree = {"b": torch.tensor(2.0), "a": torch.tensor(3.0), "c": torch.tensor(1.0)}
+
+    def f(t: dict[str, torch.Tensor]) -> torch.Tensor:
+        return t["a"] * t["b"] + t["c"]
+
+    got = fr.grad_and_value(f)(tree)
+    expected = torch.func.grad_and_value(f)(tree)
+    assert list(got[0]) == list(expected[0]) == ["b", "a", "c"]
+    assert_same(got, expected, exact=True)
+    # a dict subclass or a nested dict takes optree's way, with the same answers
+    for other in (collections.OrderedDict(tree), {**tree, "inner": {"d": torch.tensor(4.0)}}):
+        assert_same(fr.grad_and_value(f)(other), torch.func.grad_and_value(f)(other), exact=True)
