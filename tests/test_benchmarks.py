@@ -31,3 +31,15 @@ def test_quick_bench_runs_every_benchmark() -> None:
         "fr.distributed.all_reduce (400 leaves)",
     ):
         assert expected in run.stdout, run.stdout[-3000:]
+
+
+def test_all_reduce_profile_runs() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.profile_all_reduce"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "fr.distributed.all_reduce(400-leaf dict)" in run.stdout and "tottime" in run.stdout
