@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch._C._functorch import maybe_current_level
 
-from ._grad import PLAIN, STACK_NUMEL, Leaves, detached, gradients, split_output
+from ._grad import detached, gradients, split_output
 from ._grad import grad_and_value as _local_grad_and_value
+from ._leaves import PLAIN, STACK_NUMEL, Leaves
 from ._pack import FlatPool, buckets, check_packable, group_by
 from ._tree import (
     LazyPaths,

@@ -5,7 +5,7 @@
 dominates on models of hundreds of small tensors. Outside any ``torch.func``
 transform the same gradients come from one ``torch.autograd.grad`` call over
 fresh detached leaves (the caller's tensors are never touched; small ones of
-one shape stacked into one leaf, ``Leaves``), with zeros for leaves that do
+one shape stacked into one leaf, ``_leaves``), with zeros for leaves that do
 not reach the output. Under a transform (``vmap``, ``grad``, ``jvp`` ...),
 under ``torch.inference_mode`` (where autograd records nothing), for
 inference tensors, or when some input already carries an autograd graph, it
@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,9 +27,14 @@ import torch.func
 from torch._C._functorch import maybe_current_level
 from torch.overrides import has_torch_function
 
-from ._tree import picker, tensor_values
+from ._leaves import UNSTACKED, leaves_for
+from ._tree import tensor_values
 
-__all__ = ["Leaves", "grad_and_value", "leaves_for"]
+__all__ = ["grad_and_value"]
+
+# torch.autograd.grad's call into the engine (a private name: without it, autograd.grad itself)
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def grad_and_value(
@@ -131,147 +135,6 @@ def _flatten(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
 
 
 # The steps shared with fr.distributed.grad_and_value, which runs the same fast path.
-
-# torch.autograd.grad's call into the engine (a private name: without it, autograd.grad itself)
-_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-_REQUIRES_GRAD_ = torch.Tensor.requires_grad_
-_DETACH = torch.Tensor.detach
-_IS_CONTIGUOUS = torch.Tensor.is_contiguous
-_SIG = operator.attrgetter("shape", "dtype", "device")
-# Tensors of at most this many elements are stacked with the others of their shape (``Leaves``):
-# below it a stack's copy costs less than a leaf of their own (~2 us of autograd bookkeeping).
-STACK_NUMEL = 4096
-# Fewer tensors than this are never stacked: the layout lookup would cost more than it saves.
-_STACK_MIN_TENSORS = 8
-PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
-_LAYOUT_CACHE_SIZE = 16
-
-
-class Leaves:
-    """Fresh differentiable leaves standing for a list of tensors (one layout of them).
-
-    Differentiating hundreds of small tensors one by one costs each a detached
-    leaf, a gradient accumulator and a captured result, more than their
-    arithmetic. Small tensors of one shape, dtype and device are instead
-    copied into one *stacked* leaf; ``fn`` sees its ``unbind`` views, and the
-    stack's gradient holds theirs (autograd's ``UnbindBackward`` stacks them,
-    zeros for those that do not reach the output). ``groups`` lists the
-    positions behind each differentiable leaf, in order: one position is the
-    tensor's own detached leaf, several a stack (of contiguous tensors only:
-    ``fn`` sees the strides it would see). Gradients are unchanged to the
-    bit: the same operations on the same values and strides.
-
-    >>> ts = [torch.ones(2), torch.full((2,), 2.0), torch.ones(3)]
-    >>> layout = Leaves([[0, 1], [2]])
-    >>> diff, fresh = layout.make(ts)
-    >>> [tuple(d.shape) for d in diff], [f.tolist() for f in fresh]
-    ([(2, 2), (3,)], [[1.0, 1.0], [2.0, 2.0], [1.0, 1.0, 1.0]])
-    >>> loss = (fresh[0] * 3).sum() + fresh[2].sum()
-    >>> [g.tolist() for g in layout.split(torch.autograd.grad(loss, diff))]
-    [[3.0, 3.0], [0.0, 0.0], [1.0, 1.0, 1.0]]
-    """
-
-    __slots__ = ("gets", "identity", "reorder", "singles", "sizes")
-
-    def __init__(self, groups: Sequence[Sequence[int]]) -> None:
-        self.sizes = [len(g) for g in groups]
-        self.gets = [operator.itemgetter(*g) for g in groups]
-        order = [i for g in groups for i in g]
-        # no group (any number of tensors), or one leaf a tensor in the tensors' order
-        self.identity = order == list(range(len(order))) and all(k == 1 for k in self.sizes)
-        # nothing stacked, in another order (fr.distributed's buckets): the leaves in that order
-        self.singles = picker(order) if all(k == 1 for k in self.sizes) else None
-        inverse = [0] * len(order)
-        for j, i in enumerate(order):
-            inverse[i] = j
-        self.reorder = picker(inverse)
-
-    def make(
-        self, tensors: Sequence[torch.Tensor]
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """``(diff, fresh)``: the leaves to differentiate, one tensor per position for ``fn``.
-
-        ``None`` where a group to stack holds a tensor that is not contiguous
-        (its ``fn`` would see other strides, and reductions may round
-        differently) or not strided: the caller falls back to a layout
-        stacking nothing.
-        """
-        if self.identity:
-            fresh = list(map(_REQUIRES_GRAD_, map(_DETACH, tensors)))
-            return fresh, fresh
-        if self.singles is not None:
-            diff = list(map(_REQUIRES_GRAD_, map(_DETACH, self.singles(tensors))))
-            return diff, self.reorder(diff)
-        diff = []
-        views: list[torch.Tensor] = []
-        with torch.enable_grad():  # views of a stack track it even under no_grad
-            for get, k in zip(self.gets, self.sizes):
-                if k == 1:
-                    leaf = get(tensors).detach().requires_grad_()
-                    views.append(leaf)
-                else:
-                    members = get(tensors)
-                    if not _contiguous(members):
-                        return None
-                    leaf = torch.stack(members).requires_grad_()
-                    views += leaf.unbind(0)
-                diff.append(leaf)
-        return diff, self.reorder(views)
-
-    def split(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """One gradient per position, from the gradients of the ``diff`` that ``make`` returned."""
-        if self.identity:
-            return list(grads)
-        if self.singles is not None:
-            return self.reorder(grads)
-        out: list[torch.Tensor] = []
-        for g, k in zip(grads, self.sizes):
-            if k == 1:
-                out.append(g)
-            else:
-                out += g.unbind(0)
-        return self.reorder(out)
-
-
-def _contiguous(tensors: Sequence[torch.Tensor]) -> bool:
-    try:
-        return all(map(_IS_CONTIGUOUS, tensors))
-    except RuntimeError:  # layouts without strides (sparse CSR ...); sparse COO says False
-        return False
-
-
-UNSTACKED = Leaves([])
-_LAYOUTS: dict[tuple[Any, ...], Leaves] = {}
-_LAYOUTS_LOCK = threading.Lock()
-
-
-def stack_groups(
-    sigs: Sequence[tuple[torch.Size, torch.dtype, torch.device]], positions: Sequence[int]
-) -> list[list[int]]:
-    """``positions`` grouped for ``Leaves``: small tensors by (shape, dtype, device), others alone."""
-    groups: dict[Any, list[int]] = {}
-    for i in positions:
-        shape, dtype, device = sigs[i]
-        key = (shape, dtype, device) if shape.numel() <= STACK_NUMEL else i
-        groups.setdefault(key, []).append(i)
-    return list(groups.values())
-
-
-def leaves_for(tensors: Sequence[torch.Tensor]) -> Leaves:
-    """The cached ``Leaves`` of ``tensors``' layout (plain tensors only are ever stacked)."""
-    if len(tensors) < _STACK_MIN_TENSORS or not set(map(type, tensors)) <= PLAIN:
-        return UNSTACKED
-    sigs = tuple(map(_SIG, tensors))
-    layout = _LAYOUTS.get(sigs)
-    if layout is None:
-        groups = stack_groups(sigs, range(len(sigs)))
-        layout = Leaves(groups) if len(groups) < len(sigs) else UNSTACKED  # none stacked: as given
-        with _LAYOUTS_LOCK:  # fr.data_parallel_grad's replicas call this from several threads
-            _LAYOUTS[sigs] = layout
-            while len(_LAYOUTS) > _LAYOUT_CACHE_SIZE:
-                del _LAYOUTS[next(iter(_LAYOUTS))]  # the oldest layout
-    return layout
 
 
 def split_output(output: Any, has_aux: bool, name: str) -> tuple[torch.Tensor, Any]:

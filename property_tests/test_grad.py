@@ -17,7 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
-from freplicate import _grad
+from freplicate import _leaves
 from freplicate.testing import assert_trees_close, modules, trees
 
 FLOATS = (torch.float32, torch.float64)
@@ -103,7 +103,7 @@ def _many_small(draw: st.DrawFn) -> dict[str, torch.Tensor]:
     tree = {}
     for i in range(draw(st.integers(2, 40))):
         big = draw(st.integers(0, 15)) == 0
-        shape = (_grad.STACK_NUMEL + 1,) if big else draw(st.sampled_from(shapes))
+        shape = (_leaves.STACK_NUMEL + 1,) if big else draw(st.sampled_from(shapes))
         t = torch.randn(shape, generator=g, dtype=draw(st.sampled_from(FLOATS)))
         if t.dim() == 2 and draw(st.booleans()):
             t = t.t()

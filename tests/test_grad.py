@@ -16,7 +16,7 @@ from torch import nn
 from torch._C._functorch import maybe_current_level
 
 import freplicate as fr
-from freplicate import _grad
+from freplicate import _leaves
 
 
 class Model(nn.Module):
@@ -294,7 +294,7 @@ def test_under_inference_mode_and_with_inference_tensors() -> None:
     assert_same(fr.grad_and_value(f)(w_inf, c), torch.func.grad_and_value(f)(w_inf, c), exact=True)
 
 
-# --- small tensors of one shape differentiated as one stacked leaf (``_grad.Leaves``) ---------
+# --- small tensors of one shape differentiated as one stacked leaf (``_leaves.Leaves``) ---------
 
 
 def _small_tree() -> dict[str, torch.Tensor]:
@@ -306,7 +306,7 @@ def _small_tree() -> dict[str, torch.Tensor]:
             tree[f"p{i}"] = torch.randn(3, generator=g, dtype=torch.float64)
         else:
             tree[f"p{i}"] = torch.randn(3, 3, generator=g)
-    tree["p5_big"] = torch.randn(_grad.STACK_NUMEL + 1, generator=g)
+    tree["p5_big"] = torch.randn(_leaves.STACK_NUMEL + 1, generator=g)
     return tree
 
 
@@ -322,7 +322,7 @@ def _small_objective(tree: dict[str, torch.Tensor], c: torch.Tensor) -> torch.Te
 
 def test_stacked_small_tensors_equal_torch_func_to_the_bit() -> None:
     tree = _small_tree()
-    layout = _grad.leaves_for(list(tree.values()))
+    layout = _leaves.leaves_for(list(tree.values()))
     assert max(layout.sizes) > 1 and layout.make(list(tree.values())) is not None  # stacked
     versions = {k: v._version for k, v in tree.items()}
     c = torch.tensor(0.7, dtype=torch.float64)
@@ -335,7 +335,7 @@ def test_stacked_small_tensors_equal_torch_func_to_the_bit() -> None:
     assert_same(got, torch.func.grad_and_value(_small_objective)(tree, c), exact=True)
     # a transposed tensor would reach f contiguous, and sums round by strides: none stacked
     tree["p4"] = tree["p4"].t()
-    assert _grad.leaves_for(list(tree.values())).make(list(tree.values())) is None
+    assert _leaves.leaves_for(list(tree.values())).make(list(tree.values())) is None
     got = fr.grad_and_value(_small_objective)(tree, c)
     assert_same(got, torch.func.grad_and_value(_small_objective)(tree, c), exact=True)
 
@@ -344,7 +344,7 @@ def test_stacked_model_equals_the_stateful_backward() -> None:
     torch.manual_seed(4)
     model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(5, 5), nn.Tanh())])
     s = fr.state(model)
-    assert max(_grad.leaves_for(list(s.params.values())).sizes) == 6
+    assert max(_leaves.leaves_for(list(s.params.values())).sizes) == 6
     x = torch.randn(7, 5)
 
     def loss(params: dict[str, torch.Tensor]) -> torch.Tensor:
