@@ -240,7 +240,7 @@ class _Plan:
 class _DiffLayout:
     """How ``grad_and_value`` differentiates a plan's tensors, bucket by bucket.
 
-    Its ``Leaves`` (``_grad``) come in bucket order; with ``stack``, each
+    Its ``Leaves`` (``_leaves``) come in bucket order; with ``stack``, each
     run of small equal-shaped tensors of a bucket is one stacked leaf, whose
     gradient is that run of the bucket as it stands (one copy to pack, one
     hook to watch). ``spans[b]``: bucket ``b``'s leaves; ``segments[b]``:
