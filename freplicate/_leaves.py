@@ -134,13 +134,10 @@ _LAYOUTS: dict[tuple[Any, ...], Leaves] = {}
 _LAYOUTS_LOCK = threading.Lock()
 
 
-def stack_groups(
-    sigs: Sequence[tuple[torch.Size, torch.dtype, torch.device]], positions: Sequence[int]
-) -> list[list[int]]:
-    """``positions`` grouped for ``Leaves``: small tensors by (shape, dtype, device), others alone."""
+def stack_groups(sigs: Sequence[tuple[torch.Size, torch.dtype, torch.device]]) -> list[list[int]]:
+    """Positions grouped for ``Leaves``: small tensors by (shape, dtype, device), others alone."""
     groups: dict[Any, list[int]] = {}
-    for i in positions:
-        shape, dtype, device = sigs[i]
+    for i, (shape, dtype, device) in enumerate(sigs):
         key = (shape, dtype, device) if shape.numel() <= STACK_NUMEL else i
         groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -153,7 +150,7 @@ def leaves_for(tensors: Sequence[torch.Tensor]) -> Leaves:
     sigs = tuple(map(_SIG, tensors))
     layout = _LAYOUTS.get(sigs)
     if layout is None:
-        groups = stack_groups(sigs, range(len(sigs)))
+        groups = stack_groups(sigs)
         layout = Leaves(groups) if len(groups) < len(sigs) else UNSTACKED  # none stacked: as given
         with _LAYOUTS_LOCK:  # fr.data_parallel_grad's replicas call this from several threads
             _LAYOUTS[sigs] = layout

@@ -23,7 +23,7 @@ def _tensors() -> list[torch.Tensor]:
 def test_groups_by_shape_dtype_and_device_small_ones_only() -> None:
     ts = _tensors()
     sigs = [(t.shape, t.dtype, t.device) for t in ts]
-    assert _leaves.stack_groups(sigs, range(len(ts))) == [[0, 2], [1, 4], [3], [5]]
+    assert _leaves.stack_groups(sigs) == [[0, 2], [1, 4], [3], [5]]
 
 
 def test_make_and_split_round_trip_with_the_gradients_of_each_position() -> None:
