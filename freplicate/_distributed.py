@@ -656,10 +656,10 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
         probe = plan.probe(group) if check else None
         staged = []
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        for bucket in plan.buckets:
+        for b, bucket in enumerate(plan.buckets):
             flat, runs = bucket.results.take()
             if root:
-                bucket.results.pack(runs, [pick(tensors) for pick in bucket.run_picks])
+                bucket.results.pack(runs, plan.parts(b, tensors))
             staged.append((flat, runs))
         if probe is not None:
             plan.verify(probe, tree, group, fn)
