@@ -24,16 +24,14 @@ from typing import Any
 import optree
 import torch
 import torch.func
-from torch._C._functorch import maybe_current_level
 from torch.overrides import has_torch_function
 
 from ._leaves import UNSTACKED, leaves_for
+from ._torch import engine_grad, transform_level
 from ._tree import tensor_values
 
 __all__ = ["grad_and_value"]
 
-# torch.autograd.grad's call into the engine (a private name: without it, autograd.grad itself)
-_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
@@ -58,7 +56,7 @@ def grad_and_value(
     reference = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)
 
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if maybe_current_level() is not None or torch.is_inference_mode_enabled():
+        if transform_level() is not None or torch.is_inference_mode_enabled():
             # under inference_mode autograd records nothing, even with enable_grad:
             # torch.func still differentiates there
             return reference(*args, **kwargs)
@@ -162,17 +160,9 @@ def gradients(value: torch.Tensor, leaves: list[torch.Tensor]) -> tuple[torch.Te
     """
     if not (value.requires_grad and leaves):
         return tuple(torch.zeros_like(t) for t in leaves)
-    if _run_backward is None or value.is_complex() or has_torch_function((value, *leaves)):
+    if value.is_complex() or has_torch_function((value, *leaves)):
         return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
-    grads = _run_backward(
-        (value,),
-        (torch.ones_like(value, memory_format=torch.preserve_format),),
-        False,  # retain_graph
-        False,  # create_graph
-        tuple(leaves),
-        True,  # allow_unused
-        accumulate_grad=False,
-    )
+    grads = engine_grad(value, leaves)
     return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
 
 

@@ -18,7 +18,8 @@ from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import NamedTuple, TypeVar
 
 import torch
-from torch._C._functorch import maybe_current_level
+
+from ._torch import storage_use_count, transform_level
 
 __all__ = [
     "Layout",
@@ -259,7 +260,7 @@ def reduce_add_coalesced(
 
 def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> bool:
     """Every tensor strided, on ``device``, outside autograd and any ``torch.func`` transform."""
-    if maybe_current_level() is not None:
+    if transform_level() is not None:
         return False
     return all(
         t.device == device and t.layout == torch.strided and not t.requires_grad
@@ -275,9 +276,6 @@ def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.dev
 # reuses a buffer only once no tensor outside the pool shares its storage.
 # Consecutive tensors of one shape form a *run*, packed by one ``torch.stack``
 # and viewed back by one ``unbind``: a few C++ calls for hundreds of tensors.
-
-_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
-
 
 def runs_of(shapes: Sequence[torch.Size]) -> list[tuple[torch.Size, int]]:
     """``(shape, count)`` for each run of consecutive equal shapes.
@@ -335,12 +333,12 @@ class FlatPool:
         self.numel = sum(s.numel() * k for s, k in self.runs) + extra
         self.dtype = dtype
         self.device = torch.device(device)
-        self.keep = keep if _storage_use_count is not None else 0
-        self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int]] = []
+        self.keep = keep if storage_use_count(torch.empty(0)) is not None else 0
+        self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int | None]] = []
 
     @staticmethod
-    def _uses(flat: torch.Tensor) -> int:
-        return _storage_use_count(flat.untyped_storage()._cdata)  # type: ignore[misc]
+    def _uses(flat: torch.Tensor) -> int | None:
+        return storage_use_count(flat)
 
     def take(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         for flat, runs, idle in self.entries:
