@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
-from freplicate import _distributed
+from freplicate._distributed import agree, collectives
+from freplicate._distributed import plan as planning
 from freplicate.testing import init_loopback_group
 
 WORLD = 2
@@ -414,7 +415,7 @@ def train(
     from torch.distributed._composable import replicate
     from torch.nn.parallel import DistributedDataParallel
 
-    _distributed._PLANS.clear()  # on every rank: plans of earlier scenarios are not this one's
+    planning._PLANS.clear()  # on every rank: plans of earlier scenarios are not this one's
     torch.manual_seed(0)
     model = net(batchnorm)
     ddp = DistributedDataParallel(copy.deepcopy(model))
@@ -453,7 +454,7 @@ def train(
         "model_unchanged": unchanged(s, snap),
         "stacked": [  # per grad plan: (buckets, runs differentiated as one stacked leaf)
             (len(plan.buckets), sum(segments.count(0) for segments in layout.segments))
-            for plan in _distributed._PLANS.values()
+            for plan in planning._PLANS.values()
             for layout in plan.diff.values()
         ],
     }
@@ -519,7 +520,7 @@ def under_vmap(rank: int) -> Any:
 def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
     """``f()`` with fr.distributed's probes and collectives counted on this rank."""
     counts = {"probe": 0, "all_reduce": 0}
-    probe, all_reduce = fr._distributed._Plan.probe, dist.all_reduce
+    probe, all_reduce = agree.probe, dist.all_reduce
 
     def counted_probe(*args: Any, **kwargs: Any) -> Any:
         counts["probe"] += 1
@@ -529,12 +530,12 @@ def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
         counts["all_reduce"] += 1
         return all_reduce(*args, **kwargs)
 
-    fr._distributed._Plan.probe = counted_probe  # type: ignore[method-assign]
+    agree.probe = collectives.probe = counted_probe
     dist.all_reduce = counted_all_reduce
     try:
         return f(), counts
     finally:
-        fr._distributed._Plan.probe = probe  # type: ignore[method-assign]
+        agree.probe = collectives.probe = probe
         dist.all_reduce = all_reduce
 
 

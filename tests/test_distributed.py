@@ -352,10 +352,10 @@ def test_bad_arguments_raise():
 def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     # Gradients become ready in the reverse of named_parameters() order; sorted
     # keys ('10.weight' < '2.weight') would scatter a bucket over the backward pass.
-    from freplicate import _distributed
+    from freplicate._distributed import plan as planning
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    plan, leaves = _distributed._plan_for(
+    plan, leaves = planning._plan_for(
         tree, "fr.distributed.all_reduce", "mean", 1.0, None, None
     )
     names = list(tree)
@@ -363,4 +363,4 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]
     assert order == names[::-1]
     # and the user's dict comes back with its own key order
-    assert list(_distributed._rebuild(plan, list(tree.values()), [tree[n] for n in names])) == names
+    assert list(planning._rebuild(plan, list(tree.values()), [tree[n] for n in names])) == names

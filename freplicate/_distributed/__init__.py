@@ -1,0 +1,16 @@
+"""Data parallelism across processes: broadcast, bucketed all-reduce, a DDP-style gradient.
+
+The functional counterpart of DistributedDataParallel and of the composable
+``replicate``: instead of hooks on a module and a reducer hidden in it, three
+collective functions on trees, built on ``torch.distributed`` itself (gloo on
+CPU, NCCL on CUDA). ``plan`` turns a tree layout into buckets, ``agree``
+checks it across ranks, ``pipeline`` moves the buckets through their
+collectives, ``collectives`` and ``grad`` are the public functions.
+"""
+
+from .collectives import all_reduce as all_reduce
+from .collectives import broadcast as broadcast
+from .collectives import sync_buffers as sync_buffers
+from .grad import grad_and_value as grad_and_value
+
+__all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]

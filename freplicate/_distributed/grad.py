@@ -1,0 +1,222 @@
+"""The overlapped backward: fr.grad_and_value whose buckets reduce while backward runs."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import optree
+import torch
+
+from .._grad import detached, gradients, split_output
+from .._grad import grad_and_value as _local_grad_and_value
+from .._leaves import PLAIN, STACK_NUMEL, Leaves
+from .agree import _agree, mismatch
+from .collectives import all_reduce
+from .group import _not_transformed, _world
+from .pipeline import _Reduction
+from .plan import _Bucket, _check_args, _Plan, _plan_for, _rebuild
+
+__all__ = ["grad_and_value"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+class _DiffLayout:
+    """How ``grad_and_value`` differentiates a plan's tensors, bucket by bucket.
+
+    Its ``Leaves`` (``_leaves``) come in bucket order; with ``stack``, each
+    run of small equal-shaped tensors of a bucket is one stacked leaf, whose
+    gradient is that run of the bucket as it stands (one copy to pack, one
+    hook to watch). ``spans[b]``: bucket ``b``'s leaves; ``segments[b]``:
+    per run, 0 where it is one stacked leaf, else its number of tensors.
+    """
+
+    __slots__ = ("leaves", "segments", "spans")
+
+    def __init__(self, buckets: Sequence[_Bucket], stack: bool) -> None:
+        groups: list[list[int]] = []
+        self.spans: list[range] = []
+        self.segments: list[list[int]] = []
+        for bucket in buckets:
+            first, segments, start = len(groups), [], 0
+            for shape, count in bucket.results.runs:
+                ids = bucket.members[start : start + count]
+                start += count
+                if stack and count > 1 and shape.numel() <= STACK_NUMEL:
+                    groups.append(ids)
+                    segments.append(0)
+                else:
+                    groups += ([k] for k in ids)
+                    segments.append(count)
+            self.spans.append(range(first, len(groups)))
+            self.segments.append(segments)
+        self.leaves = Leaves(groups)
+
+    def parts(self, b: int, grads: Sequence[torch.Tensor]) -> list[Any]:
+        """``FlatPool.pack``'s parts of bucket ``b`` from its leaves' gradients, in span order."""
+        parts: list[Any] = []
+        i = 0
+        for n in self.segments[b]:
+            if n == 0:
+                parts.append(grads[i])
+                i += 1
+            else:
+                parts.append(grads[i : i + n])
+                i += n
+        return parts
+
+
+def _diff_layout(plan: _Plan, stack: bool) -> _DiffLayout:
+    layout = plan.diff.get(stack)
+    if layout is None:
+        layout = plan.diff[stack] = _DiffLayout(plan.buckets, stack)
+    return layout
+
+
+def grad_and_value(
+    fn: Callable[..., Any],
+    *,
+    op: str = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    has_aux: bool = False,
+    argnums: int = 0,
+    compress: str | None = None,
+    check: bool = True,
+) -> Callable[..., tuple[Any, Any]]:
+    """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
+
+    ``g(*args) -> (grads, value)``: ``grads`` equals
+    ``fr.distributed.all_reduce(fr.grad_and_value(fn)(*args)[0], op=op, ...)``,
+    ``value`` (with ``has_aux``, ``(value, aux)``) is this rank's. Buckets are
+    cut in the reverse order of the leaves of ``args[argnums]`` (the order
+    their gradients become ready), and each bucket's all-reduce starts from a
+    hook on this call's own fresh leaves as soon as its last gradient is
+    computed, while the backward pass goes on (DDP's overlap); the remaining
+    buckets start when it ends, always in the same order on every rank.
+    No module is touched and no hook outlives the call. When an input
+    already carries an autograd graph, it computes ``fr.grad_and_value``
+    then ``all_reduce``. Collectives cannot run under a ``torch.func``
+    transform: there it raises ``RuntimeError`` (as ``all_reduce`` and
+    ``broadcast`` do).
+
+    >>> w = {"a": torch.tensor(2.0)}
+    >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
+    >>> g(w, torch.tensor(3.0))  # no process group here: the local gradient
+    ({'a': tensor(3.)}, tensor(6.))
+    """
+    name = "fr.distributed.grad_and_value"
+    _check_args(name, op, compress)
+    if not isinstance(argnums, int):
+        raise TypeError(f"{name}: argnums must be an int, got {argnums!r}")
+    local = _local_grad_and_value(fn, argnums=argnums, has_aux=has_aux)
+
+    def reduce(grads: Any) -> Any:
+        return all_reduce(
+            grads, op=op, group=group, bucket_cap_mb=bucket_cap_mb, compress=compress, check=check
+        )
+
+    def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        world = _world(group)
+        if world == 1:
+            return local(*args, **kwargs)
+        _not_transformed(name)
+        if not -len(args) <= argnums < len(args):
+            return local(*args, **kwargs)  # let fr.grad_and_value raise its error
+        n = argnums % len(args)
+        tree = args[n]
+        plan, leaves = _plan_for(
+            tree, "fr.distributed.all_reduce", op, bucket_cap_mb, compress, None
+        )
+        rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
+        if (
+            not plan.bare  # non-tensor or tied leaves: let fr.grad_and_value deal with them
+            or any(map(_REQUIRES_GRAD, leaves))
+            or any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
+        ):
+            # an outer autograd graph, which torch.func keeps: its gradient, then reduce
+            grads, value = local(*args, **kwargs)
+            return reduce(grads), value
+        with plan.lock:
+            # a rank off the agreed layout mirrors it (and checks) before its forward pass
+            fast = check and _agree(plan, tree, group, world, name)
+            poisoned = (lambda: mismatch(plan, tree, group, name)) if fast else None
+            return _overlapped(
+                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, name
+            )
+
+    wrapper.__doc__ = getattr(fn, "__doc__", None)
+    wrapper.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
+    return wrapper
+
+
+def _overlapped(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    argnums: int,
+    has_aux: bool,
+    plan: _Plan,
+    leaves: list[Any],
+    op: str,
+    group: Any,
+    world: int,
+    poisoned: Callable[[], None] | None,
+    name: str,
+) -> tuple[Any, Any]:
+    """The backward pass with each bucket's all-reduce launched from gradient hooks.
+
+    On the fast path of the layout check (``poisoned`` given), the first
+    bucket's flags are read just before the second bucket starts (from a
+    later hook, or once the backward pass is over), so it rarely blocks.
+    """
+    layout = _diff_layout(plan, set(map(type, leaves)) <= PLAIN)  # plain tensors only: stacks
+    made = layout.leaves.make(leaves)
+    if made is None:  # a tensor to stack is not contiguous: one leaf a tensor
+        layout = _diff_layout(plan, False)
+        made = layout.leaves.make(leaves)
+    assert made is not None
+    diff, fresh = made
+    new_args = list(args)
+    new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
+    red = _Reduction(plan, op, group, world, poisoned)
+    nb = len(plan.buckets)
+    ready: list[list[torch.Tensor | None]] = [[None] * len(span) for span in layout.spans]
+    missing = [len(span) for span in layout.spans]
+    handles = []
+
+    def launch_ready() -> None:
+        # Buckets start in plan order on every rank, whatever order their gradients come in.
+        while red.launched < nb and missing[red.launched] == 0:
+            b = red.launched
+            red.launch(b, layout.parts(b, ready[b]))  # type: ignore[arg-type]
+
+    def hook_for(b: int, j: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            ready[b][j] = grad
+            missing[b] -= 1
+            if missing[b] == 0:
+                launch_ready()
+
+        return hook
+
+    # The last bucket can only start once the backward pass is over: no hooks there.
+    for b, span in enumerate(layout.spans[:-1]):
+        for j, d in enumerate(span):
+            handles.append(diff[d].register_hook(hook_for(b, j)))
+    try:
+        with torch.enable_grad():
+            value, aux = split_output(fn(*new_args, **kwargs), has_aux, name)
+            grads = gradients(value, diff)
+    finally:
+        for h in handles:
+            h.remove()
+    # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
+    for b in range(red.launched, nb):
+        span = layout.spans[b]
+        red.launch(b, layout.parts(b, grads[span.start : span.stop]))
+    rest = detached(value, aux, has_aux)  # while the buckets are in flight
+    grads_tree = red.finish(lambda results: _rebuild(plan, leaves, results))
+    return grads_tree, rest

@@ -1,0 +1,269 @@
+"""Plans: a tree layout turned once into deduplicated tensors and buckets, and their cache.
+
+A tree's layout (structure, shapes, dtypes, aliasing and the call's options)
+is turned once into a *plan*: tensors grouped per (device, dtype) with the
+core engine (``_pack``), in DDP's order (reverse of the leaves, the order
+gradients become ready), cut into buckets of at most ``bucket_cap_mb`` (the
+first of at most 1 MiB, as DDP's). Each bucket packs into a flat buffer taken
+from a small pool (``_pack.FlatPool``), is reduced there in place, and comes
+back as views of it; the pool hands a buffer out again only once no view of
+it is alive, so results of successive calls never alias, and a training loop
+reuses two or three buffers instead of paying a large allocation (page
+faults) every step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import threading
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from .._pack import FlatPool, buckets, check_packable, group_by
+from .._tree import LazyPaths, flatten_in_order, picker, tensor_values
+
+if TYPE_CHECKING:
+    from .grad import _DiffLayout
+
+_OPS = ("sum", "mean")
+_COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+_PLAN_CACHE_SIZE = 16
+# DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so it starts early in the
+# backward pass, and the layout check it carries (``_agree``) is read back soon and cheaply.
+_FIRST_BUCKET_BYTES = 1024 * 1024
+# The layout check's trailing elements of a plan's first bucket (see ``_agree``): [off the agreed
+# layout, on it, off the second layout]. Each sums up to the world size; only "> 0" is read.
+_FLAGS = 3
+
+
+class _Bucket:
+    """One bucket of a plan: which tensors it holds, and its reusable flat buffers.
+
+    ``results`` holds buffers in the leaves' dtype, reduced in place and
+    handed out as views (reused once those views are gone); ``comm``, only
+    where the bucket travels in another dtype (compression, booleans), is
+    the plan's private buffer in that dtype. The plan's first bucket has
+    ``extra=_FLAGS`` spare elements at the end of both: the layout check's flags.
+    """
+
+    __slots__ = (
+        "clear",
+        "comm",
+        "comm_dtype",
+        "dtype",
+        "members",
+        "red",
+        "results",
+        "run_picks",
+    )
+
+    def __init__(
+        self,
+        members: list[int],
+        tensors: Sequence[torch.Tensor],
+        comm_dtype: torch.dtype,
+        *,
+        extra: int,
+    ) -> None:
+        self.members = members
+        first = tensors[0]
+        self.dtype = first.dtype
+        self.comm_dtype = comm_dtype
+        # booleans travel as uint8 reduced with MAX: a logical or, as ``a + b`` on bools
+        self.red = dist.ReduceOp.MAX if first.dtype == torch.bool else dist.ReduceOp.SUM
+        shapes = [t.shape for t in tensors]
+        self.results = FlatPool(shapes, first.dtype, first.device, extra=extra)
+        # one part per run of the pool (``FlatPool.pack``), out of a list in the plan's tensor order
+        self.run_picks = []
+        start = 0
+        for _, count in self.results.runs:
+            self.run_picks.append(picker(members[start : start + count]))
+            start += count
+        self.comm = (
+            FlatPool(shapes, comm_dtype, first.device, keep=1, extra=extra)
+            if comm_dtype != first.dtype
+            else None
+        )
+        # the flags of a call on the fast path (``_agree``): on the agreed layout
+        self.clear = (
+            torch.tensor([0, 1, 0], dtype=comm_dtype, device=first.device) if extra else None
+        )
+
+
+class _Plan:
+    """What one tree layout needs: deduplication, buckets, and the cross-rank fingerprint."""
+
+    def __init__(
+        self,
+        spec: optree.PyTreeSpec,
+        leaves: Sequence[Any],
+        unique: list[int],
+        slot: list[int] | None,
+        fn: str,
+        op: str,
+        cap_bytes: int,
+        compress: torch.dtype | None,
+        options: tuple[Any, ...],
+    ) -> None:
+        self.spec = spec
+        self.unique = unique
+        self.slot = slot
+        self.lock = threading.RLock()  # fn may itself reduce a tree of this layout
+        tensors = [leaves[i] for i in unique]
+        paths = LazyPaths(spec, unique)
+        check_packable(tensors, range(len(tensors)), paths, fn=fn)
+        if op == "mean":
+            for k, t in enumerate(tensors):
+                if not (t.is_floating_point() or t.is_complex()):
+                    raise TypeError(
+                        f"{fn}: op='mean' needs floating-point or complex leaves, but the leaf at "
+                        f"{paths[k]} has dtype {t.dtype}; use op='sum' or convert it"
+                    )
+        # DDP's order: the last parameters' gradients are ready first.
+        order = list(range(len(tensors)))[::-1]
+        self.buckets: list[_Bucket] = []
+        groups = group_by([tensors[k] for k in order], lambda t: (t.device, t.dtype))
+        for (_, dtype), positions in groups.items():
+            members = [order[p] for p in positions]
+            comm = dtype
+            if compress is not None and dtype.is_floating_point and dtype.itemsize > 2:
+                comm = compress
+            elif dtype == torch.bool:
+                comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
+            numels = [tensors[k].numel() for k in members]
+            runs = buckets(numels, comm.itemsize, cap_bytes)
+            if not self.buckets:  # the plan's first bucket: DDP's smaller cap
+                cut = buckets(numels, comm.itemsize, min(cap_bytes, _FIRST_BUCKET_BYTES))[0]
+                rest = buckets(numels[cut.stop :], comm.itemsize, cap_bytes)
+                runs = [cut] + [range(r.start + cut.stop, r.stop + cut.stop) for r in rest]
+            for run in runs:
+                # equal shapes side by side: one stack packs them, one unbind views them back
+                by_shape = group_by([tensors[members[r]] for r in run], lambda t: t.shape)
+                ids = [members[run[p]] for same in by_shape.values() for p in same]
+                extra = 0 if self.buckets else _FLAGS
+                self.buckets.append(_Bucket(ids, [tensors[k] for k in ids], comm, extra=extra))
+        # results come out bucket by bucket; this puts them back in the order of the tensors
+        where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
+        inverse = [where[k] for k in range(len(tensors))]
+        self.reorder = picker(inverse)
+        self.bare = slot is None and len(unique) == len(leaves)  # only tensors, no aliasing
+        sig = [(tuple(t.shape), str(t.dtype), t.device.type) for t in tensors]
+        self.description = (str(spec), sig, slot, options)
+        digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
+        self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
+        self.diff: dict[bool, _DiffLayout] = {}  # grad_and_value's, built on first use
+        # what a rank on another layout needs to mirror this plan's first collective (``_agree``)
+        self.first: tuple[int, torch.dtype, torch.device, Any] | None = None
+        if self.buckets:
+            b0 = self.buckets[0]
+            self.first = (b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
+
+    def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
+        """Bucket ``b``'s tensors out of ``tensors`` (one per unique tensor), one list per run."""
+        return [pick(tensors) for pick in self.buckets[b].run_picks]
+
+    def speculates(self, world: int) -> bool:
+        """Whether calls may run on the fast path, the check carried by the first bucket's flags.
+
+        A flag slot sums up to ``world``: it must not wrap round to 0 in a
+        byte-sized integer bucket (bool buckets reduce with MAX: no sum).
+        """
+        if self.first is None:
+            return False
+        _, dtype, _, red = self.first
+        return dtype.itemsize > 1 or red == dist.ReduceOp.MAX or world < 256
+
+
+_PLANS: dict[Any, _Plan] = {}
+_SIG = operator.attrgetter("shape", "dtype", "device")
+_DICT = object()  # marks a plan key made from a plain dict's keys (``tensor_values``)
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_for(
+    tree: Any, fn: str, op: str, cap_mb: float, compress: str | None, src: int | None
+) -> tuple[_Plan, list[Any]]:
+    """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
+    options = (fn, op, cap_mb, compress, src)
+    slot: list[int] | None = None
+    unique: list[int]
+    values = tensor_values(tree)
+    if values is not None and len(set(map(id, values))) == len(values):
+        # the commonest tree (a dict of distinct tensors: params, gradients): keyed by its keys
+        key: tuple[Any, ...] = (_DICT, tuple(tree), tuple(map(_SIG, values)), options)
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan, values
+        leaves, spec = flatten_in_order(tree)  # the same leaves, and the spec the plan keeps
+        unique = list(range(len(leaves)))
+    else:
+        leaves, spec = flatten_in_order(tree)  # buckets follow the order gradients become ready
+        kinds = set(map(type, leaves))
+        distinct = len(set(map(id, leaves))) == len(leaves)
+        if all(issubclass(k, torch.Tensor) for k in kinds) and distinct:
+            # a tree of distinct tensors: a key built at C speed
+            key = (spec, tuple(map(_SIG, leaves)), options)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan, leaves
+            unique = list(range(len(leaves)))
+        else:  # non-tensor leaves, or a tensor at several positions (tied weights)
+            unique, slot = [], []
+            seen: dict[int, int] = {}
+            for i, x in enumerate(leaves):
+                if isinstance(x, torch.Tensor):
+                    pos = seen.setdefault(id(x), len(unique))
+                    if pos == len(unique):
+                        unique.append(i)
+                    slot.append(pos)
+                else:
+                    slot.append(-1)
+            key = (spec, tuple(_SIG(leaves[i]) for i in unique), tuple(slot), options)
+            plan = _PLANS.get(key)
+            if plan is not None:
+                return plan, leaves
+    if cap_mb <= 0:
+        raise ValueError(f"{fn}: bucket_cap_mb must be positive, got {cap_mb}")
+    plan = _Plan(
+        spec,
+        leaves,
+        unique,
+        slot,
+        fn,
+        op,
+        max(1, int(cap_mb * 1024 * 1024)),
+        _COMPRESS[compress],
+        (op, cap_mb, compress, src),
+    )
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            del _PLANS[next(iter(_PLANS))]  # the oldest layout
+    return plan, leaves
+
+
+def _rebuild(plan: _Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> Any:
+    """The tree of ``results`` (one per unique tensor), non-tensor leaves passed through."""
+    if plan.bare:
+        return optree.tree_unflatten(plan.spec, results)
+    out = list(leaves)
+    if plan.slot is None:
+        for i, r in zip(plan.unique, results):
+            out[i] = r
+    else:
+        for i, s in enumerate(plan.slot):
+            if s >= 0:
+                out[i] = results[s]
+    return optree.tree_unflatten(plan.spec, out)
+
+
+def _check_args(fn: str, op: str, compress: str | None) -> None:
+    if op not in _OPS:
+        raise ValueError(f"{fn}: op must be 'sum' or 'mean', got {op!r}")
+    if compress not in _COMPRESS:
+        raise ValueError(f"{fn}: compress must be None, 'bf16' or 'fp16', got {compress!r}")

@@ -1,0 +1,190 @@
+"""parallel_apply: one call per replica, each in a thread of its own, results in order."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch._C._functorch import maybe_current_level
+
+from .. import _tree
+from .._devices import DeviceSpec, as_devices
+
+__all__ = ["parallel_apply"]
+
+
+def parallel_apply(
+    fn: Callable[..., Any],
+    replicas: Sequence[Any],
+    inputs: Sequence[Any],
+    *,
+    devices: Sequence[DeviceSpec] | None = None,
+    kwargs: Sequence[Mapping[str, Any]] | None = None,
+) -> list[Any]:
+    """Call ``fn(replicas[i], *inputs[i], **kwargs[i])`` for every ``i`` at once; results in order.
+
+    Each call runs in a thread of its own (the first in the caller's thread,
+    the others in threads that have ended when this returns), so calls whose
+    work releases the GIL (tensor ops) run in parallel. Every call sees the
+    caller's grad mode, inference mode and autocast state (thread-local in
+    PyTorch), and, on a CUDA device, runs with that device current and on a
+    stream of its own, ordered after the caller's stream (the caller's stream
+    waits for it before this returns). ``inputs[i]`` is a tuple (or list) of
+    positional arguments; any other object is passed as the only argument, as
+    ``nn.parallel.parallel_apply`` does. ``devices`` defaults to the device of
+    the first tensor found in ``inputs[i]`` or ``replicas[i]``.
+
+    An exception in any call is re-raised here as the same exception type,
+    its message naming the replica index and device, the original chained
+    (the lowest failing index wins). Under a ``torch.func`` transform the
+    calls run one after another in the caller's thread: the transform's
+    state is thread-local, and another thread would silently compute
+    without it.
+
+    >>> parallel_apply(lambda w, x: w * x, [torch.tensor(2.0), torch.tensor(3.0)],
+    ...                [(torch.tensor(1.0),), (torch.tensor(5.0),)])
+    [tensor(2.), tensor(15.)]
+    >>> parallel_apply(lambda w, x: w[x], [{}, {}], [("a",), ("b",)], devices=["cpu", "cpu"])
+    Traceback (most recent call last):
+    ...
+    KeyError: "fr.parallel_apply: replica 0 on cpu raised KeyError: 'a'"
+    """
+    n = len(replicas)
+    if n == 0:
+        raise ValueError("fr.parallel_apply: replicas is empty; give at least one replica")
+    if len(inputs) != n:
+        raise ValueError(
+            f"fr.parallel_apply: replicas has {n} entries but inputs has {len(inputs)}; "
+            "give one input tuple per replica"
+        )
+    if kwargs is not None and len(kwargs) != n:
+        raise ValueError(
+            f"fr.parallel_apply: replicas has {n} entries but kwargs has {len(kwargs)}; "
+            "give one dict of keyword arguments per replica"
+        )
+    if devices is not None:
+        devs: list[torch.device | None] = list(as_devices(devices, fn="fr.parallel_apply"))
+        if len(devs) != n:
+            raise ValueError(
+                f"fr.parallel_apply: replicas has {n} entries but devices has {len(devs)}; "
+                "give one device per replica"
+            )
+    else:
+        devs = [_device_of(inputs[i], replicas[i]) for i in range(n)]
+    args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
+    kws: list[Mapping[str, Any]] = list(kwargs) if kwargs is not None else [{}] * n
+    return _parallel_apply(fn, list(replicas), args, kws, devs, "fr.parallel_apply")
+
+
+def _device_of(*trees: Any) -> torch.device | None:
+    for leaf in _tree.flatten(trees)[0]:
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+class _Modes:
+    """The caller's thread-local modes, re-entered in each worker thread."""
+
+    def __init__(self) -> None:
+        self.grad = torch.is_grad_enabled()
+        self.inference = torch.is_inference_mode_enabled()
+        self.autocast = [
+            (kind, torch.get_autocast_dtype(kind))
+            for kind in ("cpu", "cuda")
+            if torch.is_autocast_enabled(kind)
+        ]
+
+    def enter(self, stack: contextlib.ExitStack) -> None:
+        if self.inference:
+            stack.enter_context(torch.inference_mode())
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        for kind, dtype in self.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+
+
+def _parallel_apply(
+    fn: Callable[..., Any],
+    replicas: list[Any],
+    args: list[tuple[Any, ...]],
+    kwargs: list[Mapping[str, Any]],
+    devs: Sequence[torch.device | None],
+    name: str,
+) -> list[Any]:
+    n = len(replicas)
+    modes = _Modes()
+    # Under a torch.func transform, whose state is thread-local, the calls run
+    # one after another here, on the caller's streams (another thread would
+    # silently compute without the transform).
+    threaded = n > 1 and maybe_current_level() is None
+    # The caller's stream on each CUDA device: side streams wait for it first
+    # (the inputs were made there) and it waits for them at the end.
+    callers = {d: torch.cuda.current_stream(d) for d in devs if d is not None and d.type == "cuda"}
+    results: list[Any] = [None] * n
+    errors: list[BaseException | None] = [None] * n
+    streams: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        try:
+            with contextlib.ExitStack() as stack:
+                modes.enter(stack)
+                dev = devs[i]
+                caller = None
+                if dev is not None and dev.type == "cuda":
+                    stack.enter_context(torch.cuda.device(dev))
+                    if threaded:
+                        caller = callers[dev]
+                        stream = streams[i] = torch.cuda.Stream(dev)
+                        stream.wait_stream(caller)
+                        # The caller's tensors are read on this stream (now, and in
+                        # backward, which reuses the forward's streams): the caching
+                        # allocator must not hand their memory out before it is done.
+                        _record_stream((replicas[i], args[i], kwargs[i]), dev, stream)
+                        stack.enter_context(torch.cuda.stream(stream))
+                out = fn(replicas[i], *args[i], **kwargs[i])
+                if caller is not None and dev is not None:
+                    # and the outputs made here are used on the caller's stream
+                    _record_stream(out, dev, caller)
+                results[i] = out
+        except BaseException as err:
+            errors[i] = err
+
+    if not threaded:
+        for i in range(n):
+            run(i)
+    else:
+        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, n)]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+    for i, stream in enumerate(streams):
+        if stream is not None:
+            callers[devs[i]].wait_stream(stream)  # type: ignore[index]
+    for i, err in enumerate(errors):
+        if err is not None:
+            _reraise(err, i, devs[i], name)
+    return results
+
+
+def _record_stream(tree: Any, dev: torch.device, stream: Any) -> None:
+    for leaf in _tree.flatten(tree)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.device == dev:
+            leaf.record_stream(stream)
+
+
+def _reraise(err: BaseException, i: int, dev: torch.device | None, name: str) -> None:
+    if not isinstance(err, Exception):
+        raise err  # KeyboardInterrupt, SystemExit: as they are
+    where = f"on {dev}" if dev is not None else "(device unknown)"
+    msg = f"{name}: replica {i} {where} raised {type(err).__name__}: {err}"
+    try:
+        new = type(err)(msg)
+    except Exception:
+        # a type that cannot be built from one message: as nn.parallel does
+        raise RuntimeError(msg) from err
+    raise new from err

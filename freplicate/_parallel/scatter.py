@@ -1,0 +1,197 @@
+"""Scatter and gather: split a batch tree into one shard per device, and join outputs back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from .. import _pack, _tree
+from .._devices import DeviceSpec, as_device, as_devices
+
+__all__ = ["gather", "scatter"]
+
+T = TypeVar("T")
+
+
+def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
+    """Split every tensor leaf of ``tree`` along ``dim``, one shard per device.
+
+    Leaves are cut as ``torch.chunk(leaf, len(devices), dim)`` and chunk *i*
+    goes to ``devices[i]`` (a chunk already on its device is a view, not a
+    copy; the others move in one flat buffer per dtype). Non-tensor leaves are
+    shared by every shard. As ``nn.parallel.scatter``: when a leaf yields fewer
+    chunks than devices (a batch of 3 on 4 devices, or of 5, which
+    ``torch.chunk`` cuts as 2 + 2 + 1), there are that many shards, and when
+    leaves yield different numbers of chunks the smallest wins; a tree without
+    tensor leaves gives one shard per device. A 0-dim tensor cannot be split
+    and raises ``ValueError`` (``nn.parallel.scatter`` fails on it too): pass a
+    scalar as a Python number, or close over it. Differentiable: the gradient
+    of the shards flows back into ``tree``. Nothing is modified.
+
+    >>> shards = scatter({"x": torch.arange(5.0), "tag": "a"}, ["cpu", "cpu"])
+    >>> [s["x"].tolist() for s in shards], shards[1]["tag"]
+    ([[0.0, 1.0, 2.0], [3.0, 4.0]], 'a')
+    >>> len(scatter(torch.ones(3, 2), ["cpu"] * 4))
+    3
+    """
+    devs = as_devices(devices, fn="fr.scatter")
+    return _scatter(tree, devs, dim, "fr.scatter")
+
+
+def _scatter(
+    tree: T,
+    devs: list[torch.device],
+    dim: int,
+    fn: str,
+    rename: Callable[[str], str] | None = None,
+) -> list[T]:
+    leaves, spec = _tree.flatten(tree)
+    unique, slot = _tree.alias_groups(leaves)
+    if not unique:
+        return [tree for _ in devs]
+    paths: Sequence[str] = _tree.LazyPaths(spec, unique)
+    if rename is not None:
+        paths = _Renamed(paths, rename)
+    chunks = [_chunk(leaves[i], len(devs), dim, paths, k, fn) for k, i in enumerate(unique)]
+    n = min(len(c) for c in chunks)
+    shards: list[T] = []
+    for d in range(n):
+        pieces = [c[d] for c in chunks]
+        moved = _pack.broadcast_coalesced(pieces, [devs[d]], paths=paths, fn=fn)[0]
+        shards.append(
+            _tree.unflatten(spec, [moved[s] if s >= 0 else x for x, s in zip(leaves, slot)])
+        )
+    return shards
+
+
+class _Renamed(Sequence[str]):
+    """Paths shown as the caller names its tree (``inputs[0]``, ``batch[1]``), read only to raise."""
+
+    def __init__(self, paths: Sequence[str], rename: Callable[[str], str]) -> None:
+        self._paths = paths
+        self._rename = rename
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._rename(self._paths[i])
+
+
+def _chunk(
+    t: torch.Tensor, n: int, dim: int, paths: Sequence[str], k: int, fn: str
+) -> tuple[torch.Tensor, ...]:
+    nd = t.dim()
+    if nd == 0:
+        raise ValueError(
+            f"{fn}: the tensor at {paths[k]} is 0-dim and cannot be split along dim {dim}; "
+            "pass a scalar as a Python number (shared by every shard) or close over it"
+        )
+    if not -nd <= dim < nd:
+        raise ValueError(
+            f"{fn}: dim={dim} is out of range for the tensor at {paths[k]} of shape "
+            f"{tuple(t.shape)} (expected -{nd} <= dim < {nd})"
+        )
+    return torch.chunk(t, n, dim)
+
+
+# --------------------------------------------------------------------------- gather
+
+
+def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
+    """Concatenate ``trees`` leaf-wise along ``dim`` onto ``device``; the inverse of scatter.
+
+    Every tree's tensor leaves move to ``device`` in one flat buffer per dtype
+    and are concatenated there (``torch.cat``). 0-dim leaves, such as a loss
+    per replica, are stacked into a 1-D tensor, one entry per tree, whatever
+    ``dim`` is (``nn.DataParallel`` does the same for ``dim=0``). A non-tensor
+    leaf equal in every tree comes back once; unequal ones come back as a
+    tuple, one value per tree. Differentiable; nothing is modified.
+
+    >>> out = gather([{"y": torch.ones(2), "loss": torch.tensor(1.0), "k": "a"},
+    ...               {"y": torch.zeros(1), "loss": torch.tensor(3.0), "k": "b"}], "cpu")
+    >>> out["y"].tolist(), out["loss"].tolist(), out["k"]
+    ([1.0, 1.0, 0.0], [1.0, 3.0], ('a', 'b'))
+    """
+    dev = as_device(device, fn="fr.gather")
+    trees = list(trees)
+    if not trees:
+        raise ValueError("fr.gather: trees is empty; give at least one tree")
+    flats = [_tree.flatten(t) for t in trees]
+    specs = [s for _, s in flats]
+    diff = _tree.first_difference(specs, trees)
+    if diff is not None:
+        raise ValueError(f"fr.gather: {diff}")
+    spec = specs[0]
+    columns = list(zip(*(leaves for leaves, _ in flats)))
+    paths = _tree.LazyPaths(spec)
+    tensor_pos: list[int] = []
+    out: list[Any] = []
+    for i, col in enumerate(columns):
+        kinds = [isinstance(x, torch.Tensor) for x in col]
+        if all(kinds):
+            tensor_pos.append(i)
+            out.append(None)
+        elif any(kinds):
+            j = kinds.index(not kinds[0])
+            raise ValueError(
+                f"fr.gather: trees differ at {paths[i]}: {_kind(col[0])} in tree 0, "
+                f"{_kind(col[j])} in tree {j}"
+            )
+        else:
+            out.append(col[0] if all(_same(col[0], x) for x in col[1:]) else tuple(col))
+    if tensor_pos:
+        sub = _tree.LazyPaths(spec, tensor_pos)
+        moved = [
+            _pack.broadcast_coalesced(
+                [columns[i][j] for i in tensor_pos], [dev], paths=sub, fn="fr.gather"
+            )[0]
+            for j in range(len(trees))
+        ]
+        for k, i in enumerate(tensor_pos):
+            out[i] = _join([m[k] for m in moved], dim, paths, i)
+    return _tree.unflatten(spec, out)
+
+
+def _join(parts: list[torch.Tensor], dim: int, paths: Sequence[str], i: int) -> torch.Tensor:
+    scalar = [p.dim() == 0 for p in parts]
+    if all(scalar):
+        return torch.stack(parts)
+    if any(scalar):
+        j = scalar.index(not scalar[0])
+        raise ValueError(
+            f"fr.gather: trees differ at {paths[i]}: shape {tuple(parts[0].shape)} in tree 0, "
+            f"{tuple(parts[j].shape)} in tree {j}; 0-dim leaves can only be gathered with "
+            "0-dim leaves"
+        )
+    nd = parts[0].dim()
+    if not -nd <= dim < nd:
+        raise ValueError(
+            f"fr.gather: dim={dim} is out of range for the tensor at {paths[i]} of shape "
+            f"{tuple(parts[0].shape)} (expected -{nd} <= dim < {nd})"
+        )
+    try:
+        return torch.cat(parts, dim)
+    except RuntimeError as err:
+        shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+        raise ValueError(
+            f"fr.gather: cannot concatenate the tensors at {paths[i]} along dim {dim}: "
+            f"shapes {shapes}: {err}"
+        ) from err
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__} ({x!r})"
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. arrays, whose == is not a truth value: call them different
+        return False
