@@ -3,7 +3,7 @@
 ``fr.distributed`` works on an initialised ``torch.distributed`` process group
 (``torchrun`` or ``init_process_group``; gloo on CPU, NCCL on CUDA). Every
 function is collective: all ranks call it, in the same order. The code lives
-in ``freplicate/_distributed.py``; this module only publishes it.
+in the private package ``freplicate/_distributed/``; this module only publishes it.
 """
 
 from ._distributed import all_reduce as all_reduce

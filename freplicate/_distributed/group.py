@@ -6,7 +6,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._functorch import maybe_current_level
+
+from .._torch import transform_level
 
 
 def _world(group: Any) -> int:
@@ -23,7 +24,7 @@ def _comm_device(group: Any) -> torch.device:
 
 
 def _not_transformed(fn: str) -> None:
-    if maybe_current_level() is not None:
+    if transform_level() is not None:
         raise RuntimeError(
             f"{fn}: cannot run under a torch.func transform (vmap, grad, jvp ...): "
             "torch.distributed collectives have no batching or differentiation rule; call "

@@ -8,10 +8,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch._C._functorch import maybe_current_level
 
 from .. import _tree
 from .._devices import DeviceSpec, as_devices
+from .._torch import transform_level
 
 __all__ = ["parallel_apply"]
 
@@ -119,7 +119,7 @@ def _parallel_apply(
     # Under a torch.func transform, whose state is thread-local, the calls run
     # one after another here, on the caller's streams (another thread would
     # silently compute without the transform).
-    threaded = n > 1 and maybe_current_level() is None
+    threaded = n > 1 and transform_level() is None
     # The caller's stream on each CUDA device: side streams wait for it first
     # (the inputs were made there) and it waits for them at the end.
     callers = {d: torch.cuda.current_stream(d) for d in devs if d is not None and d.type == "cuda"}

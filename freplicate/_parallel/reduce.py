@@ -6,9 +6,9 @@ from collections.abc import Iterable, Sequence
 from typing import Any, Literal, TypeVar
 
 import torch
-from torch._C._functorch import maybe_current_level
 
 from .. import _pack, _tree
+from .._torch import transform_level
 from .scatter import _kind
 
 __all__ = ["all_reduce"]
@@ -131,7 +131,7 @@ def _reduce(
             group, dev, paths=paths if every else [paths[k] for k in idx], fn=name
         )
         if op == "mean":
-            if maybe_current_level() is None and not any(s.requires_grad for s in sums):
+            if transform_level() is None and not any(s.requires_grad for s in sums):
                 # the sums are fresh buffers of ours, never an input: divide in place
                 torch._foreach_div_(sums, n)
             else:
