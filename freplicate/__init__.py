@@ -12,6 +12,7 @@ torch.Size([3, 2])
 from typing import Any
 
 from . import distributed as distributed
+from ._apply import apply as apply
 from ._grad import grad_and_value as grad_and_value
 from ._parallel import all_reduce as all_reduce
 from ._parallel import data_parallel as data_parallel
@@ -21,7 +22,6 @@ from ._parallel import parallel_apply as parallel_apply
 from ._parallel import scatter as scatter
 from ._replicate import replicate as replicate
 from ._state import State as State
-from ._state import apply as apply
 from ._state import state as state
 
 __version__ = "0.1.0"

@@ -9,10 +9,11 @@ import torch
 from torch import nn
 
 from .. import _tree
+from .._apply import apply
 from .._devices import DeviceSpec, as_device, as_devices
 from .._grad import grad_and_value
 from .._replicate import replicate
-from .._state import State, apply
+from .._state import State
 from .apply import _parallel_apply
 from .reduce import Op, _move_each, _reduce
 from .scatter import _scatter, gather
