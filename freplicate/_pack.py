@@ -29,12 +29,14 @@ __all__ = [
     "group_by",
     "layout_of",
     "move",
+    "move_each",
     "pack",
     "reduce_add_coalesced",
     "unpack",
 ]
 
 K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
 
 
 class Layout(NamedTuple):
@@ -44,14 +46,6 @@ class Layout(NamedTuple):
     numels: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
-
-    @property
-    def numel(self) -> int:
-        return sum(self.numels)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
@@ -65,7 +59,7 @@ def layout_of(tensors: Sequence[torch.Tensor]) -> Layout:
     )
 
 
-def group_by(items: Iterable[torch.Tensor], key: Callable[[torch.Tensor], K]) -> dict[K, list[int]]:
+def group_by(items: Iterable[V], key: Callable[[V], K]) -> dict[K, list[int]]:
     """Indices of ``items`` grouped by ``key``, groups and members in first-seen order.
 
     >>> group_by([torch.ones(1), torch.ones(1, dtype=torch.int64), torch.ones(2)],
@@ -104,7 +98,7 @@ def buckets(numels: Sequence[int], itemsize: int, cap_bytes: int) -> list[range]
 
 
 def check_packable(
-    tensors: Sequence[torch.Tensor], idx: Sequence[int], paths: Sequence[str], *, fn: str
+    tensors: Sequence[torch.Tensor], idx: Sequence[int], paths: Sequence[str], *, caller: str
 ) -> None:
     """Raise ``TypeError`` naming the path of a leaf the engine cannot pack.
 
@@ -114,23 +108,18 @@ def check_packable(
     for t, i in zip(tensors, idx):
         if t.layout != torch.strided:
             raise TypeError(
-                f"{fn}: the tensor at {paths[i]} has layout {t.layout}, which cannot be packed "
+                f"{caller}: the tensor at {paths[i]} has layout {t.layout}, which cannot be packed "
                 "into a flat buffer; convert it (e.g. .to_dense()) or keep it out of the tree"
             )
 
 
-def pack(tensors: Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Concatenate ``tensors`` (one dtype, one device) into one flat buffer.
-
-    With ``out`` (a buffer the caller owns, e.g. reused across steps) the
-    values are written there and no new memory is allocated.
 
     >>> pack([torch.ones(2, 2), torch.zeros(3)])
     tensor([1., 1., 1., 1., 0., 0., 0.])
     """
     flat = [t.reshape(-1) for t in tensors]
-    if out is not None:
-        return torch.cat(flat, out=out)
     if len(flat) == 1:
         # cat of one tensor would copy; a view is enough for a buffer we only read.
         return flat[0]
@@ -150,7 +139,12 @@ def unpack(flat: torch.Tensor, layout: Layout) -> list[torch.Tensor]:
 
 
 def move(
-    flat: torch.Tensor, device: torch.device, idx: Sequence[int], paths: Sequence[str], *, fn: str
+    flat: torch.Tensor,
+    device: torch.device,
+    idx: Sequence[int],
+    paths: Sequence[str],
+    *,
+    caller: str,
 ) -> torch.Tensor:
     """``flat.to(device)``; a failure is a ``TypeError`` naming the leaves packed in ``flat``."""
     try:
@@ -158,7 +152,7 @@ def move(
     except (RuntimeError, NotImplementedError) as err:
         shown = ", ".join(paths[i] for i in idx[:3]) + (", ..." if len(idx) > 3 else "")
         raise TypeError(
-            f"{fn}: cannot move the tensor(s) at {shown} from {flat.device} to {device}: {err}"
+            f"{caller}: cannot move the tensor(s) at {shown} from {flat.device} to {device}: {err}"
         ) from err
 
 
@@ -167,8 +161,9 @@ def broadcast_coalesced(
     devices: Sequence[torch.device],
     *,
     paths: Sequence[str],
-    fn: str,
+    caller: str = "",
     detach: bool = False,
+    fn: str = "",
 ) -> list[list[torch.Tensor]]:
     """Copies of ``tensors`` on every device: ``result[d][i]`` is tensor ``i`` on ``devices[d]``.
 
@@ -178,17 +173,48 @@ def broadcast_coalesced(
     target devices share those views. Differentiable unless ``detach``: the
     gradient reaching each input is the sum over its copies.
     """
+    caller = caller or fn  # ``fn=``: the old name of ``caller``, until _replicate passes caller=
     if detach:
         with torch.no_grad():
-            return _broadcast(tensors, devices, paths, fn, detach=True)
-    return _broadcast(tensors, devices, paths, fn, detach=False)
+            return _broadcast(tensors, devices, paths, caller, detach=True)
+    return _broadcast(tensors, devices, paths, caller, detach=False)
+
+
+def move_each(
+    tensors: Sequence[torch.Tensor],
+    targets: Sequence[torch.device],
+    *,
+    paths: Sequence[str],
+    caller: str,
+) -> list[torch.Tensor]:
+    """``tensors[i]`` onto ``targets[i]``, coalesced per target device; those already there as is.
+
+    >>> t = torch.ones(2)
+    >>> out = move_each([t, t], [torch.device("cpu"), torch.device("meta")], paths=["a", "b"],
+    ...                 caller="f")
+    >>> out[0] is t, out[1].device
+    (True, device(type='meta'))
+    """
+    out = list(tensors)
+    away = [i for i in range(len(tensors)) if tensors[i].device != targets[i]]
+    for device, idx in group_by(away, targets.__getitem__).items():
+        moved = _broadcast(
+            [tensors[away[k]] for k in idx],
+            [device],
+            [paths[away[k]] for k in idx],
+            caller,
+            detach=False,
+        )[0]
+        for k, t in zip(idx, moved):
+            out[away[k]] = t
+    return out
 
 
 def _broadcast(
     tensors: Sequence[torch.Tensor],
     devices: Sequence[torch.device],
     paths: Sequence[str],
-    fn: str,
+    caller: str,
     *,
     detach: bool,
 ) -> list[list[torch.Tensor]]:
@@ -208,8 +234,8 @@ def _broadcast(
                 if src == device:
                     continue
                 members = [tensors[i] for i in idx]
-                check_packable(members, idx, paths, fn=fn)
-                moved = move(pack(members), device, idx, paths, fn=fn)
+                check_packable(members, idx, paths, caller=caller)
+                moved = move(pack(members), device, idx, paths, caller=caller)
                 for i, view in zip(idx, unpack(moved, layout_of(members))):
                     out[i] = view
         per_device[device] = out  # type: ignore[assignment]
@@ -221,7 +247,7 @@ def reduce_add_coalesced(
     device: torch.device,
     *,
     paths: Sequence[str],
-    fn: str,
+    caller: str,
 ) -> list[torch.Tensor]:
     """Leaf-wise sum of several lists of tensors (equal shapes and dtypes), on ``device``.
 
@@ -239,16 +265,16 @@ def reduce_add_coalesced(
     first = tensor_lists[0]
     # group positions by dtype and by the devices they lie on in every list
     groups = group_by(
-        range(len(first)),  # type: ignore[arg-type]
-        lambda i: (first[i].dtype, tuple(lst[i].device for lst in tensor_lists)),  # type: ignore[index, call-overload]
+        range(len(first)),
+        lambda i: (first[i].dtype, tuple(lst[i].device for lst in tensor_lists)),
     )
     result: list[torch.Tensor | None] = [None] * len(first)
     for idx in groups.values():
         total: torch.Tensor | None = None
         for lst in tensor_lists:
             members = [lst[i] for i in idx]
-            check_packable(members, idx, paths, fn=fn)
-            flat = move(pack(members), device, idx, paths, fn=fn)
+            check_packable(members, idx, paths, caller=caller)
+            flat = move(pack(members), device, idx, paths, caller=caller)
             total = flat if total is None else total + flat
         assert total is not None
         if len(tensor_lists) == 1 and total.device == first[idx[0]].device and len(idx) == 1:
@@ -276,6 +302,7 @@ def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.dev
 # reuses a buffer only once no tensor outside the pool shares its storage.
 # Consecutive tensors of one shape form a *run*, packed by one ``torch.stack``
 # and viewed back by one ``unbind``: a few C++ calls for hundreds of tensors.
+
 
 def runs_of(shapes: Sequence[torch.Size]) -> list[tuple[torch.Size, int]]:
     """``(shape, count)`` for each run of consecutive equal shapes.

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import optree
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -34,6 +35,12 @@ import freplicate as fr
 from freplicate._distributed import agree, collectives
 from freplicate._distributed import plan as planning
 from freplicate.testing import init_loopback_group
+
+
+def map_tensors(f: Callable[[torch.Tensor], Any], tree: Any) -> Any:
+    """``f`` of every tensor leaf of ``tree``; other leaves as they are."""
+    return optree.tree_map(lambda x: f(x) if isinstance(x, torch.Tensor) else x, tree)
+
 
 WORLD = 2
 SCENARIOS: dict[str, Callable[[int], Any]] = {}
@@ -185,10 +192,10 @@ def floats_of(rank: int) -> dict[str, Any]:
 def reduce_mean_twice(rank: int) -> dict[str, Any]:
     """Two calls with one layout: the plan's buffer is reused, the first results must survive."""
     t1 = floats_of(rank)
-    t2 = fr._tree.map_tensors(lambda x: x * 3, t1)
+    t2 = map_tensors(lambda x: x * 3, t1)
     snap = snapshot(t1)
     r1 = fr.distributed.all_reduce(t1)
-    r1_copy = fr._tree.map_tensors(torch.clone, r1)
+    r1_copy = map_tensors(torch.clone, r1)
     r2 = fr.distributed.all_reduce(t2)
     r3 = fr.distributed.all_reduce(t1)
     return {"r1": r1, "r1_copy": r1_copy, "r2": r2, "r3": r3, "unchanged": unchanged(t1, snap)}
@@ -201,8 +208,8 @@ def reduce_reuse(rank: int) -> dict[str, Any]:
     exp = {k: v for k, v in expected_reduce("mean").items() if k in ("w", "b")}
     kept, ptrs, fresh_ok = [], [], True
     for i in range(6):
-        r = fr.distributed.all_reduce(fr._tree.map_tensors(lambda x, i=i: x * (i + 1), base))
-        want = fr._tree.map_tensors(lambda x, i=i: x * (i + 1), exp)
+        r = fr.distributed.all_reduce(map_tensors(lambda x, i=i: x * (i + 1), base))
+        want = map_tensors(lambda x, i=i: x * (i + 1), exp)
         fresh_ok &= all(torch.allclose(r[k], want[k]) for k in r)
         ptrs.append(r["w"].data_ptr())
         if i % 2 == 0:

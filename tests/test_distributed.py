@@ -355,9 +355,7 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     from freplicate._distributed import plan as planning
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    plan, leaves = planning._plan_for(
-        tree, "fr.distributed.all_reduce", "mean", 1.0, None, None
-    )
+    plan, leaves = planning._plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
     names = list(tree)
     name_of = {id(t): n for n, t in tree.items()}
     order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]

@@ -36,11 +36,9 @@ def diff(*trees: object, what: str = "tree") -> str | None:
         (5, ["<root>"]),
     ],
 )
-def test_flatten_with_paths(tree: object, paths: list[str]) -> None:
-    got, leaves, s = _tree.flatten_with_paths(tree)
-    assert got == paths
+def test_paths_of(tree: object, paths: list[str]) -> None:
+    leaves, s = _tree.flatten(tree)
     assert _tree.paths_of(s) == paths
-    assert leaves == _tree.flatten(tree)[0]
     assert _tree.unflatten(s, leaves) == tree
 
 
@@ -80,11 +78,11 @@ def test_alias_groups() -> None:
             [{"a": 1, "b": {"x": 1}}, {"a": 1, "b": [1, 2]}],
             "trees differ at ['b']: dict with keys ('x',) in tree 0, list of 2 in tree 1",
         ),
-        ([[1, None], [1, 2]], "trees differ at [1]: None in tree 0, a leaf of type int in tree 1"),
-        ([1, (1,)], "trees differ at the root: a leaf of type int in tree 0, tuple of 1 in tree 1"),
+        ([[1, None], [1, 2]], "trees differ at [1]: None in tree 0, an int (2) in tree 1"),
+        ([1, (1,)], "trees differ at the root: an int (1) in tree 0, tuple of 1 in tree 1"),
         (
             [Point(1, [1]), Point(1, 2)],
-            "trees differ at .y: list of 1 in tree 0, a leaf of type int in tree 1",
+            "trees differ at .y: list of 1 in tree 0, an int (2) in tree 1",
         ),
         (
             [fr.State({"w": 1}, {}), fr.State({"w": 1}, {"b": 2})],
@@ -119,10 +117,26 @@ def test_lazy_paths_reads_only_when_asked() -> None:
     assert len(every) == 3 and every[:] == ["['a']", "['b'][0]", "['b'][1]"]
 
 
-def test_map_tensors_passes_other_leaves_by_reference() -> None:
+def test_rebuild_realiases_and_passes_other_leaves() -> None:
     t, obj = torch.ones(2), object()
-    tree = {"t": t, "o": obj, "n": None, "l": [t]}
-    out = _tree.map_tensors(lambda x: x * 2, tree)
-    assert out["o"] is obj and out["n"] is None
-    assert torch.equal(out["t"], torch.full((2,), 2.0)) and torch.equal(out["l"][0], out["t"])
-    assert torch.equal(t, torch.ones(2)) and t._version == 0
+    leaves, s = _tree.flatten({"a": t, "b": [obj, t], "c": None})
+    _, slot = _tree.alias_groups(leaves)
+    new = torch.zeros(2)
+    out = _tree.rebuild(s, leaves, slot, [new])
+    assert out["a"] is new and out["b"][1] is new and out["b"][0] is obj and out["c"] is None
+
+
+@pytest.mark.parametrize(
+    "node, text",
+    [
+        (torch.ones(2, 3, dtype=torch.int64), "a tensor of shape (2, 3) and dtype torch.int64"),
+        ("x" * 50, "a str ('" + "x" * 36 + "...)"),
+        (1.5, "a float (1.5)"),
+        (object, "a type (<class 'object'>)"),
+        ({"b": 1, "a": 2}, "dict with keys ('a', 'b')"),
+        ((1, 2), "tuple of 2"),
+        (None, "None"),
+    ],
+)
+def test_describe(node: object, text: str) -> None:
+    assert _tree.describe(node) == text

@@ -16,7 +16,7 @@ import optree
 import torch
 import torch.distributed as dist
 
-from .._tree import describe_node, paths_of, structure_difference
+from .._tree import describe, paths_of, structure_difference
 from .group import _comm_device, _world
 from .plan import _FLAGS, _Plan
 
@@ -66,7 +66,7 @@ def _leaf_desc(x: Any) -> str:
 
 def _skeleton_describe(node: Any) -> str:
     """A node of a pickled skeleton: tensors are already text, the rest as ``_tree`` says."""
-    return node if isinstance(node, str) else describe_node(node)
+    return node if isinstance(node, str) else describe(node)
 
 
 def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:

@@ -116,7 +116,7 @@ class _Plan:
         self.lock = threading.RLock()  # fn may itself reduce a tree of this layout
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
-        check_packable(tensors, range(len(tensors)), paths, fn=fn)
+        check_packable(tensors, range(len(tensors)), paths, caller=fn)
         if op == "mean":
             for k, t in enumerate(tensors):
                 if not (t.is_floating_point() or t.is_complex()):

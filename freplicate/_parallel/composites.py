@@ -77,7 +77,9 @@ def data_parallel(
         raise ValueError(f"{name}: buffers must be 'first' or 'mean', got {buffers!r}")
     devs = as_devices(devices, fn=name)
     out_dev = (
-        devs[0] if output_device is None else as_device(output_device, fn=name, arg="output_device")
+        devs[0]
+        if output_device is None
+        else as_device(output_device, caller=name, arg="output_device")
     )
     if not inputs and not kwargs:
         shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {})]

@@ -128,7 +128,7 @@ def _reduce(
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
         sums = _pack.reduce_add_coalesced(
-            group, dev, paths=paths if every else [paths[k] for k in idx], fn=name
+            group, dev, paths=paths if every else [paths[k] for k in idx], caller=name
         )
         if op == "mean":
             if transform_level() is None and not any(s.requires_grad for s in sums):

@@ -115,7 +115,7 @@ def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
     >>> out["y"].tolist(), out["loss"].tolist(), out["k"]
     ([1.0, 1.0, 0.0], [1.0, 3.0], ('a', 'b'))
     """
-    dev = as_device(device, fn="fr.gather")
+    dev = as_device(device, caller="fr.gather")
     trees = list(trees)
     if not trees:
         raise ValueError("fr.gather: trees is empty; give at least one tree")
