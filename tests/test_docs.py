@@ -1,31 +1,133 @@
-"""The code in README.md and the tutorial runs as written, and says what it claims.
+"""The code in README.md and on every docs page runs as written, and says what it claims.
 
-Each page's ```python blocks are executed in order in one namespace (a page is
-one story); an assertion in a block that fails fails the test.
+Every fenced block names its language. A page's ```python blocks run in order
+in one namespace (a page is one story); an assertion in a block that fails
+fails the test. A python block that cannot run here says so on the line just
+before its fence, with the reason: ``<!-- not run: why -->``. The pages in
+``COLLECTIVE`` use ``fr.distributed``: their blocks run on 2 gloo ranks on
+this machine (``tests/_docs_ranks.py``), in a group that stands in for the
+one ``torchrun`` would give.
 """
 
 from __future__ import annotations
 
+import ast
 import re
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+
+import freplicate as fr
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ["README.md", "docs/tutorial.md"]
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+COLLECTIVE = ["docs/distributed.md"]
+
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
 
 
-def blocks(page: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), flags=re.S)
+@dataclass
+class Block:
+    page: str
+    line: int  # of the opening fence, from 1
+    lang: str
+    code: str
+    not_run: str | None  # the marker's reason, "" for a marker without one
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks(page: str) -> list[Block]:
+    lines = (ROOT / page).read_text().splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = m["indent"], m["fence"]
+        end = i + 1
+        while end < len(lines) and not re.match(rf"^\s*{re.escape(fence)}\s*$", lines[end]):
+            end += 1
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]
+        ]
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marker = _NOT_RUN.match(before)
+        found.append(
+            Block(
+                page=page,
+                line=i + 1,
+                lang=m["info"].strip().split(" ")[0],
+                code="\n".join(body) + "\n",
+                not_run=marker["why"].strip() if marker else None,
+            )
+        )
+        i = end + 1
+    return found
+
+
+def runnable(page: str) -> list[Block]:
+    return [b for b in blocks(page) if b.lang == "python" and b.not_run is None]
+
+
+def test_the_pages_are_found() -> None:
+    assert {"README.md", "docs/index.md", "docs/api/index.md", *COLLECTIVE} <= set(PAGES)
 
 
 @pytest.mark.parametrize("page", PAGES)
+def test_every_block_names_its_language_and_every_marker_its_reason(page: str) -> None:
+    for b in blocks(page):
+        assert b.lang, f"{b.where}: a code block without a language (```python, ```text, ```bash)"
+        if b.not_run is not None:
+            assert b.lang == "python", f"{b.where}: a not-run marker before a {b.lang} block"
+            assert b.not_run, f"{b.where}: say why the block is not run: <!-- not run: why -->"
+        if b.lang == "python":
+            ast.parse(b.code, b.where)  # even a block that is not run is valid python
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p not in COLLECTIVE and runnable(p)])
 def test_page_runs(page: str) -> None:
-    code = blocks(page)
-    assert code, f"{page} has no python blocks"
     namespace: dict[str, object] = {"__name__": f"docs:{page}"}
-    for i, block in enumerate(code):
-        exec(compile(block, f"{page} block {i}", "exec"), namespace)
+    for b in runnable(page):
+        exec(compile(b.code, b.where, "exec"), namespace)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_collective_pages_run_on_two_ranks() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helper by name
+    import _docs_ranks
+
+    pages = [(page, [(b.where, b.code) for b in runnable(page)]) for page in COLLECTIVE]
+    assert all(code for _, code in pages), "a collective page without code to run"
+    failed = {
+        f"{page} on rank {rank}": tb
+        for page, tbs in _docs_ranks.run_on_ranks(pages).items()
+        for rank, tb in enumerate(tbs)
+        if tb is not None
+    }
+    assert not failed, "\n".join(f"{k}:\n{tb}" for k, tb in failed.items())
+
+
+def test_api_reference_names_every_public_name() -> None:
+    # adding a public name is one `::: freplicate.name` line on a page of docs/api/
+    import freplicate.testing
+
+    reference = "\n".join((ROOT / p).read_text() for p in PAGES if p.startswith("docs/api/"))
+    shown = set(re.findall(r"^::: (freplicate[\w.]*)\s*$", reference, flags=re.M))
+    public = {
+        f"{module.__name__}.{name}"
+        for module in (fr, fr.distributed, freplicate.testing)
+        for name in module.__all__
+    }
+    assert not public - shown, f"missing from docs/api/: {sorted(public - shown)}"
 
 
 def test_readme_shows_the_ci_command() -> None:
