@@ -9,7 +9,7 @@ with the same words.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import repeat
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "check_op",
     "check_positive",
     "check_state",
+    "check_trees",
 ]
 
 OPS = ("sum", "mean")
@@ -129,3 +130,27 @@ def check_state(caller: str, state: Any) -> None:
                 raise TypeError(
                     f"{caller}: state.{field}[{name!r}] must be a tensor, got {describe(value)}"
                 )
+
+
+def check_trees(caller: str, trees: Any) -> list[Any]:
+    """``trees`` as a list, if it is a sequence of trees (one per device), else ``TypeError``.
+
+    A single tree given where a list of them is expected (a dict, a tensor, a
+    ``State``) would be read as its keys or fields: refused, naming the fix.
+
+    >>> check_trees("fr.gather", {"y": torch.ones(1)})
+    Traceback (most recent call last):
+    ...
+    TypeError: fr.gather: trees must be a list of trees (one per device), got a dict; wrap a single tree in a list: [tree]
+    """
+    single = (
+        isinstance(trees, (Mapping, torch.Tensor, str, bytes))
+        or hasattr(trees, "_fields")  # a NamedTuple such as fr.State is one tree
+        or not isinstance(trees, Iterable)
+    )
+    if single:
+        raise TypeError(
+            f"{caller}: trees must be a list of trees (one per device), got a "
+            f"{type(trees).__name__}; wrap a single tree in a list: [tree]"
+        )
+    return list(trees)

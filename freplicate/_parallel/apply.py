@@ -1,28 +1,32 @@
-"""parallel_apply: one call per replica, each in a thread of its own, results in order."""
+"""parallel_apply: one call per replica, each in a thread of its own, results in order.
+
+``apply_each`` is the same on checked arguments, for the composites.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .. import _tree
-from .._devices import DeviceSpec, as_devices
+from .._devices import as_devices
 from .._torch import transform_level
+from .._typing import DeviceSpec
 
-__all__ = ["parallel_apply"]
+__all__ = ["apply_each", "parallel_apply"]
 
 
 def parallel_apply(
     fn: Callable[..., Any],
-    replicas: Sequence[Any],
-    inputs: Sequence[Any],
+    replicas: Iterable[Any],
+    inputs: Iterable[Any],
     *,
-    devices: Sequence[DeviceSpec] | None = None,
-    kwargs: Sequence[Mapping[str, Any]] | None = None,
+    devices: Iterable[DeviceSpec] | None = None,
+    kwargs: Iterable[Mapping[str, Any]] | None = None,
 ) -> list[Any]:
     """Call ``fn(replicas[i], *inputs[i], **kwargs[i])`` for every ``i`` at once; results in order.
 
@@ -32,51 +36,82 @@ def parallel_apply(
     caller's grad mode, inference mode and autocast state (thread-local in
     PyTorch), and, on a CUDA device, runs with that device current and on a
     stream of its own, ordered after the caller's stream (the caller's stream
-    waits for it before this returns). ``inputs[i]`` is a tuple (or list) of
-    positional arguments; any other object is passed as the only argument, as
-    ``nn.parallel.parallel_apply`` does. ``devices`` defaults to the device of
-    the first tensor found in ``inputs[i]`` or ``replicas[i]``.
-
-    An exception in any call is re-raised here as the same exception type,
-    its message naming the replica index and device, the original chained
-    (the lowest failing index wins). Under a ``torch.func`` transform the
+    waits for it before this returns). Under a ``torch.func`` transform the
     calls run one after another in the caller's thread: the transform's
     state is thread-local, and another thread would silently compute
     without it.
 
-    >>> parallel_apply(lambda w, x: w * x, [torch.tensor(2.0), torch.tensor(3.0)],
-    ...                [(torch.tensor(1.0),), (torch.tensor(5.0),)])
-    [tensor(2.), tensor(15.)]
-    >>> parallel_apply(lambda w, x: w[x], [{}, {}], [("a",), ("b",)], devices=["cpu", "cpu"])
-    Traceback (most recent call last):
-    ...
-    KeyError: "fr.parallel_apply: replica 0 on cpu raised KeyError: 'a'"
+    Args:
+        fn: the function every replica runs.
+        replicas: one first argument per call (any iterable: a list, a generator).
+        inputs: one entry per call: a tuple (or list) of positional arguments;
+            any other object is passed as the only argument, as
+            ``nn.parallel.parallel_apply`` does.
+        devices: the device each call runs on; by default the device of the
+            first tensor found in ``inputs[i]`` or ``replicas[i]``.
+        kwargs: one dict of keyword arguments per call.
+
+    Returns:
+        The calls' results, in order.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or an argument is not iterable.
+        ValueError: ``replicas`` is empty, or the arguments have different
+            lengths; a bad device.
+        Exception: an exception in any call is re-raised here as the same
+            exception type, its message naming the replica index and device,
+            the original chained (the lowest failing index wins).
+
+    Examples:
+        >>> parallel_apply(lambda w, x: w * x, [torch.tensor(2.0), torch.tensor(3.0)],
+        ...                [(torch.tensor(1.0),), (torch.tensor(5.0),)])
+        [tensor(2.), tensor(15.)]
+        >>> parallel_apply(lambda w, x: w[x], [{}, {}], [("a",), ("b",)], devices=["cpu", "cpu"])
+        Traceback (most recent call last):
+        ...
+        KeyError: "fr.parallel_apply: replica 0 on cpu raised KeyError: 'a'"
     """
+    caller = "fr.parallel_apply"
+    if not callable(fn):
+        raise TypeError(f"{caller}: fn must be callable, got {type(fn).__name__}")
+    replicas = _as_list(caller, "replicas", replicas)
+    inputs = _as_list(caller, "inputs", inputs)
     n = len(replicas)
     if n == 0:
-        raise ValueError("fr.parallel_apply: replicas is empty; give at least one replica")
+        raise ValueError(f"{caller}: replicas is empty; give at least one replica")
     if len(inputs) != n:
         raise ValueError(
-            f"fr.parallel_apply: replicas has {n} entries but inputs has {len(inputs)}; "
+            f"{caller}: replicas has {n} entries but inputs has {len(inputs)}; "
             "give one input tuple per replica"
         )
-    if kwargs is not None and len(kwargs) != n:
-        raise ValueError(
-            f"fr.parallel_apply: replicas has {n} entries but kwargs has {len(kwargs)}; "
-            "give one dict of keyword arguments per replica"
-        )
+    kws: list[Mapping[str, Any]] = [{}] * n
+    if kwargs is not None:
+        kws = _as_list(caller, "kwargs", kwargs)
+        if len(kws) != n:
+            raise ValueError(
+                f"{caller}: replicas has {n} entries but kwargs has {len(kws)}; "
+                "give one dict of keyword arguments per replica"
+            )
     if devices is not None:
-        devs: list[torch.device | None] = list(as_devices(devices, fn="fr.parallel_apply"))
+        devs: list[torch.device | None] = list(as_devices(devices, caller=caller))
         if len(devs) != n:
             raise ValueError(
-                f"fr.parallel_apply: replicas has {n} entries but devices has {len(devs)}; "
+                f"{caller}: replicas has {n} entries but devices has {len(devs)}; "
                 "give one device per replica"
             )
     else:
         devs = [_device_of(inputs[i], replicas[i]) for i in range(n)]
     args = [tuple(x) if isinstance(x, (tuple, list)) else (x,) for x in inputs]
-    kws: list[Mapping[str, Any]] = list(kwargs) if kwargs is not None else [{}] * n
-    return _parallel_apply(fn, list(replicas), args, kws, devs, "fr.parallel_apply")
+    return apply_each(fn, replicas, args, kws, devs, caller=caller)
+
+
+def _as_list(caller: str, arg: str, values: Any) -> list[Any]:
+    if not isinstance(values, Iterable) or isinstance(values, (str, bytes, Mapping)):
+        raise TypeError(
+            f"{caller}: {arg} must be a list (or any iterable) with one entry per replica, "
+            f"got {type(values).__name__}"
+        )
+    return list(values)
 
 
 def _device_of(*trees: Any) -> torch.device | None:
@@ -106,14 +141,16 @@ class _Modes:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
 
 
-def _parallel_apply(
+def apply_each(
     fn: Callable[..., Any],
-    replicas: list[Any],
-    args: list[tuple[Any, ...]],
-    kwargs: list[Mapping[str, Any]],
+    replicas: Sequence[Any],
+    args: Sequence[tuple[Any, ...]],
+    kwargs: Sequence[Mapping[str, Any]],
     devs: Sequence[torch.device | None],
-    name: str,
+    *,
+    caller: str,
 ) -> list[Any]:
+    """``parallel_apply`` on checked arguments; errors name ``caller``."""
     n = len(replicas)
     modes = _Modes()
     # Under a torch.func transform, whose state is thread-local, the calls run
@@ -167,7 +204,7 @@ def _parallel_apply(
             callers[devs[i]].wait_stream(stream)  # type: ignore[index]
     for i, err in enumerate(errors):
         if err is not None:
-            _reraise(err, i, devs[i], name)
+            _reraise(err, i, devs[i], caller)
     return results
 
 
@@ -177,11 +214,11 @@ def _record_stream(tree: Any, dev: torch.device, stream: Any) -> None:
             leaf.record_stream(stream)
 
 
-def _reraise(err: BaseException, i: int, dev: torch.device | None, name: str) -> None:
+def _reraise(err: BaseException, i: int, dev: torch.device | None, caller: str) -> None:
     if not isinstance(err, Exception):
         raise err  # KeyboardInterrupt, SystemExit: as they are
     where = f"on {dev}" if dev is not None else "(device unknown)"
-    msg = f"{name}: replica {i} {where} raised {type(err).__name__}: {err}"
+    msg = f"{caller}: replica {i} {where} raised {type(err).__name__}: {err}"
     try:
         new = type(err)(msg)
     except Exception:

@@ -8,15 +8,17 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .. import _tree
+from .. import _pack, _tree
 from .._apply import apply
-from .._devices import DeviceSpec, as_device, as_devices
+from .._checks import check_choice, check_int, check_op, check_state
+from .._devices import as_device, as_devices
 from .._grad import grad_and_value
 from .._replicate import replicate
 from .._state import State
-from .apply import _parallel_apply
-from .reduce import Op, _move_each, _reduce
-from .scatter import _scatter, gather
+from .._typing import DeviceSpec, Op, TensorTree
+from .apply import apply_each
+from .reduce import reduce_lists
+from .scatter import gather, shard
 
 __all__ = ["data_parallel", "data_parallel_grad"]
 
@@ -60,22 +62,37 @@ def data_parallel(
     fall back to the module's own tensors, as in ``fr.apply``: give a complete
     state when ``devices`` are not the module's device.
 
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <...>
-    >>> bn = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    >>> out, new = data_parallel(bn, fr.state(bn), torch.randn(8, 3), devices=["cpu", "cpu"])
-    >>> out.shape, int(new.buffers["1.num_batches_tracked"])
-    (torch.Size([8, 2]), 1)
+    Args:
+        module: the module whose forward runs; never modified.
+        state: its ``fr.State`` (``fr.state(module)``, or a trained one).
+        *inputs: the forward's positional arguments, scattered along ``dim``.
+        devices: the devices the replicas run on.
+        output_device: where the output is gathered (default ``devices[0]``).
+        dim: the dimension inputs are scattered and outputs gathered along.
+        buffers: which buffers come back: ``"first"`` or ``"mean"``.
+        **kwargs: the forward's keyword arguments, scattered along ``dim``.
+
+    Returns:
+        ``(output, new_state)``.
+
+    Raises:
+        TypeError: ``state`` is not an ``fr.State``; ``dim`` is not an int.
+        ValueError: a bad device or ``buffers``; inputs that cannot be
+            scattered (naming them as ``inputs[0]``, ``kwargs['x']``).
+
+    Examples:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> bn = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+        >>> out, new = data_parallel(bn, fr.state(bn), torch.randn(8, 3), devices=["cpu", "cpu"])
+        >>> out.shape, int(new.buffers["1.num_batches_tracked"])
+        (torch.Size([8, 2]), 1)
     """
     name = "fr.data_parallel"
-    if not (isinstance(state, tuple) and len(state) == 2):
-        raise TypeError(
-            f"{name}: state must be an fr.State(params, buffers), got {type(state).__name__}; "
-            "make one with fr.state(module)"
-        )
-    if buffers not in ("first", "mean"):
-        raise ValueError(f"{name}: buffers must be 'first' or 'mean', got {buffers!r}")
-    devs = as_devices(devices, fn=name)
+    check_state(name, state)
+    check_choice(name, "buffers", buffers, ("first", "mean"))
+    check_int(name, "dim", dim)
+    devs = as_devices(devices, caller=name)
     out_dev = (
         devs[0]
         if output_device is None
@@ -84,16 +101,16 @@ def data_parallel(
     if not inputs and not kwargs:
         shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {})]
     else:
-        shards = _scatter((inputs, kwargs), devs, dim, name, _as_call_args)
+        shards = shard((inputs, kwargs), devs, dim, caller=name, rename=_as_call_args)
     used = devs[: len(shards)]
     replicas = replicate(state, used)
-    results = _parallel_apply(
+    results = apply_each(
         lambda st, *a, **kw: apply(module, st, *a, **kw),
         replicas,
         [s[0] for s in shards],
         [s[1] for s in shards],
-        list(used),
-        name,
+        used,
+        caller=name,
     )
     if len(devs) == 1:
         # nn.DataParallel calls the module directly on one device: no gather
@@ -123,12 +140,16 @@ def _combine_buffers(
         mean_pos = [i for i, v in enumerate(values) if v.is_floating_point() or v.is_complex()]
         if mean_pos:
             lists = [[bufs[keys[i]] for i in mean_pos] for bufs in per_replica]
-            means = _reduce(
-                lists, [targets[i] for i in mean_pos], "mean", [paths[i] for i in mean_pos], name
+            means = reduce_lists(
+                lists,
+                [targets[i] for i in mean_pos],
+                "mean",
+                paths=[paths[i] for i in mean_pos],
+                caller=name,
             )
             for i, m in zip(mean_pos, means):
                 values[i] = m
-    values = _move_each(values, targets, paths, name)
+    values = _pack.move_each(values, targets, paths=paths, caller=name)
     return dict(zip(keys, values))
 
 
@@ -154,42 +175,54 @@ def data_parallel_grad(
     ``grads`` and ``loss`` equal the full-batch ones; with unequal shards,
     each replica's mean counts as much as the others' (as in DDP).
 
-    >>> w = {"w": torch.tensor([1.0, -1.0])}
-    >>> def loss_fn(p, x, y):
-    ...     return ((x @ p["w"] - y) ** 2).mean()
-    >>> x, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0.0, 0.0])
-    >>> data_parallel_grad(loss_fn, ["cpu", "cpu"])(w, x, y)
-    ({'w': tensor([ 1., -1.])}, tensor(1.))
+    Args:
+        loss_fn: ``loss_fn(params, *batch) -> loss`` (a scalar tensor), or
+            ``(loss, aux)`` with ``has_aux``.
+        devices: the devices the replicas run on.
+        op: how the replicas' gradients combine: ``"mean"`` (DDP's) or ``"sum"``.
+        has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+        ``step(params, *batch) -> (grads, loss)``, or ``(grads, (loss, aux))``
+        with ``has_aux``.
+
+    Raises:
+        ValueError: a bad ``op`` or device (at once); a batch that cannot be
+            scattered (when ``step`` runs, naming it as ``batch[0]``).
+
+    Examples:
+        >>> w = {"w": torch.tensor([1.0, -1.0])}
+        >>> def loss_fn(p, x, y):
+        ...     return ((x @ p["w"] - y) ** 2).mean()
+        >>> x, y = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0.0, 0.0])
+        >>> data_parallel_grad(loss_fn, ["cpu", "cpu"])(w, x, y)
+        ({'w': tensor([ 1., -1.])}, tensor(1.))
     """
     name = "fr.data_parallel_grad"
-    if op not in ("sum", "mean"):
-        raise ValueError(f"{name}: op must be 'sum' or 'mean', got {op!r}")
-    devs = as_devices(devices, fn=name)
+    check_op(name, op)
+    devs = as_devices(devices, caller=name)
     per_device = grad_and_value(loss_fn, has_aux=has_aux)
 
-    def step(params: Any, *batch: Any) -> tuple[Any, Any]:
-        shards = _scatter(batch, devs, 0, name, lambda p: f"batch{p}")
+    def step(params: TensorTree, *batch: Any) -> tuple[TensorTree, Any]:
+        shards = shard(batch, devs, 0, caller=name, rename=lambda p: f"batch{p}")
         used = devs[: len(shards)]
         replicas = replicate(params, used)
-        results = _parallel_apply(
-            per_device, replicas, list(shards), [{}] * len(shards), list(used), name
-        )
+        results = apply_each(per_device, replicas, shards, [{}] * len(shards), used, caller=name)
         leaves, spec = _tree.flatten(params)
+        targets = [p.device for p in leaves]
         grads_leaves = [_tree.flatten(g)[0] for g, _ in results]
         if len(results) == 1:
             grads = results[0][0]
-            if any(g.device != p.device for g, p in zip(grads_leaves[0], leaves)):
-                grads = _tree.unflatten(
-                    spec,
-                    _move_each(
-                        grads_leaves[0], [p.device for p in leaves], _tree.LazyPaths(spec), name
-                    ),
+            if any(g.device != d for g, d in zip(grads_leaves[0], targets)):
+                moved = _pack.move_each(
+                    grads_leaves[0], targets, paths=_tree.LazyPaths(spec), caller=name
                 )
+                grads = _tree.unflatten(spec, moved)
         else:
-            grads = _tree.unflatten(
-                spec,
-                _reduce(grads_leaves, [p.device for p in leaves], op, _tree.LazyPaths(spec), name),
+            reduced = reduce_lists(
+                grads_leaves, targets, op, paths=_tree.LazyPaths(spec), caller=name
             )
+            grads = _tree.unflatten(spec, reduced)
         values = [v for _, v in results]
         losses = [v[0] for v in values] if has_aux else values
         loss = (

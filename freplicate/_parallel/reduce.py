@@ -1,44 +1,20 @@
-"""The one-process all_reduce: a leaf-wise sum or mean of one tree per device."""
+"""The one-process all_reduce: a leaf-wise sum or mean of one tree per device.
+
+``reduce_lists`` is the reduction itself, on flat lists, for the composites.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from collections.abc import Sequence
 
 import torch
 
 from .. import _pack, _tree
+from .._checks import check_mean, check_op, check_trees
 from .._torch import transform_level
-from .scatter import _kind
+from .._typing import Op, T
 
-__all__ = ["all_reduce"]
-
-T = TypeVar("T")
-Op = Literal["sum", "mean"]
-
-
-def _by_device(
-    positions: Iterable[int], targets: Sequence[torch.device]
-) -> dict[torch.device, list[int]]:
-    groups: dict[torch.device, list[int]] = {}
-    for i in positions:
-        groups.setdefault(targets[i], []).append(i)
-    return groups
-
-
-def _move_each(
-    tensors: list[torch.Tensor], targets: Sequence[torch.device], paths: Sequence[str], name: str
-) -> list[torch.Tensor]:
-    """``tensors[i]`` onto ``targets[i]``, coalesced per target device."""
-    out = list(tensors)
-    away = [i for i in range(len(tensors)) if tensors[i].device != targets[i]]
-    for dev, idx in _by_device(away, targets).items():
-        moved = _pack.broadcast_coalesced(
-            [tensors[i] for i in idx], [dev], paths=[paths[i] for i in idx], fn=name
-        )[0]
-        for i, t in zip(idx, moved):
-            out[i] = t
-    return out
+__all__ = ["all_reduce", "reduce_lists"]
 
 
 def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
@@ -52,24 +28,39 @@ def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
     those result tensors; none is an input tensor, and nothing is modified.
     Differentiable.
 
-    >>> a, b = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}
-    >>> all_reduce([a, b])[1]["w"], all_reduce([a, b], op="sum")[0]["w"]
-    (tensor([2., 4.]), tensor([4., 8.]))
-    >>> all_reduce([{"n": torch.tensor(1)}, {"n": torch.tensor(2)}])
-    Traceback (most recent call last):
-    ...
-    TypeError: fr.all_reduce: op='mean' needs floating-point or complex leaves, but the leaf at ['n'] is torch.int64; use op='sum'
+    Args:
+        trees: one tree per replica, all of one structure, shapes and dtypes
+            (a list of trees, not one tree).
+        op: ``"sum"`` or ``"mean"``.
+
+    Returns:
+        One result tree per input tree, on that tree's devices.
+
+    Raises:
+        TypeError: ``trees`` is a single tree (a dict, a tensor) rather than a
+            list of them; ``op="mean"`` on an integer or bool leaf (naming its path).
+        ValueError: ``trees`` is empty; a bad ``op``; trees that differ in
+            structure, shape or dtype, or a tensor in one tree where another
+            has a non-tensor (naming the path).
+
+    Examples:
+        >>> a, b = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([3.0, 6.0])}
+        >>> all_reduce([a, b])[1]["w"], all_reduce([a, b], op="sum")[0]["w"]
+        (tensor([2., 4.]), tensor([4., 8.]))
+        >>> all_reduce([{"n": torch.tensor(1)}, {"n": torch.tensor(2)}])
+        Traceback (most recent call last):
+        ...
+        TypeError: fr.all_reduce: op='mean' needs floating-point or complex leaves, but the leaf at ['n'] is torch.int64; use op='sum' or convert it
     """
-    name = "fr.all_reduce"
-    if op not in ("sum", "mean"):
-        raise ValueError(f"{name}: op must be 'sum' or 'mean', got {op!r}")
-    trees = list(trees)
+    caller = "fr.all_reduce"
+    check_op(caller, op)
+    trees = check_trees(caller, trees)
     if not trees:
-        raise ValueError(f"{name}: trees is empty; give one tree per device")
+        raise ValueError(f"{caller}: trees is empty; give one tree per device")
     flats = [_tree.flatten(t) for t in trees]
     diff = _tree.first_difference([s for _, s in flats], trees)
     if diff is not None:
-        raise ValueError(f"{name}: {diff}")
+        raise ValueError(f"{caller}: {diff}")
     spec = flats[0][1]
     leaves0 = flats[0][0]
     unique, slot = _tree.alias_groups(leaves0)
@@ -79,56 +70,69 @@ def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
         slot = [
             unique.index(i) if isinstance(x, torch.Tensor) else -1 for i, x in enumerate(leaves0)
         ]
+    _check_kinds([leaves for leaves, _ in flats], slot, _tree.LazyPaths(spec), caller)
     paths = _tree.LazyPaths(spec, unique)
     lists = [[leaves[i] for i in unique] for leaves, _ in flats]
-    _check_reducible(lists, paths, op, name)
-    targets0 = [t.device for t in lists[0]]
-    totals = _reduce(lists, targets0, op, paths, name)
+    _check_reducible(lists, paths, caller)
+    if op == "mean":
+        check_mean(caller, lists[0], paths)
+    totals = reduce_lists(lists, [t.device for t in lists[0]], op, paths=paths, caller=caller)
     out: list[T] = []
     for j, (leaves, _) in enumerate(flats):
-        here = totals if j == 0 else _move_each(totals, [t.device for t in lists[j]], paths, name)
-        out.append(_tree.unflatten(spec, [here[s] if s >= 0 else x for x, s in zip(leaves, slot)]))
+        here = totals
+        if j > 0:
+            here = _pack.move_each(totals, [t.device for t in lists[j]], paths=paths, caller=caller)
+        out.append(_tree.rebuild(spec, leaves, slot, here))
     return out
 
 
-def _check_reducible(lists: list[list[Any]], paths: Sequence[str], op: str, name: str) -> None:
+def _check_kinds(
+    leaves: list[list[object]], slot: Sequence[int], paths: Sequence[str], caller: str
+) -> None:
+    """``ValueError`` where a tree has a tensor and tree 0 a non-tensor (it would pass unreduced)."""
+    others = [i for i, s in enumerate(slot) if s < 0]
+    for j, lst in enumerate(leaves[1:], start=1):
+        for i in others:
+            if isinstance(lst[i], torch.Tensor):
+                raise ValueError(
+                    f"{caller}: trees differ at {paths[i]}: {_tree.describe(leaves[0][i])} in "
+                    f"tree 0, {_tree.describe(lst[i])} in tree {j}"
+                )
+
+
+def _check_reducible(lists: list[list[object]], paths: Sequence[str], caller: str) -> None:
     ref = lists[0]
     for j, lst in enumerate(lists[1:], start=1):
         for k, (a, b) in enumerate(zip(ref, lst)):
+            assert isinstance(a, torch.Tensor)
             if not isinstance(b, torch.Tensor):
                 raise ValueError(
-                    f"{name}: trees differ at {paths[k]}: a tensor in tree 0, "
-                    f"{_kind(b)} in tree {j}"
+                    f"{caller}: trees differ at {paths[k]}: {_tree.describe(a)} in tree 0, "
+                    f"{_tree.describe(b)} in tree {j}"
                 )
             if a.shape != b.shape or a.dtype != b.dtype:
                 raise ValueError(
-                    f"{name}: trees differ at {paths[k]}: {a.dtype} of shape {tuple(a.shape)} "
-                    f"in tree 0, {b.dtype} of shape {tuple(b.shape)} in tree {j}"
-                )
-    if op == "mean":
-        for k, a in enumerate(ref):
-            if not (a.is_floating_point() or a.is_complex()):
-                raise TypeError(
-                    f"{name}: op='mean' needs floating-point or complex leaves, but the leaf "
-                    f"at {paths[k]} is {a.dtype}; use op='sum'"
+                    f"{caller}: trees differ at {paths[k]}: {a.dtype} of shape "
+                    f"{tuple(a.shape)} in tree 0, {b.dtype} of shape {tuple(b.shape)} in tree {j}"
                 )
 
 
-def _reduce(
+def reduce_lists(
     lists: Sequence[Sequence[torch.Tensor]],
     targets: Sequence[torch.device],
-    op: str,
+    op: Op,
+    *,
     paths: Sequence[str],
-    name: str,
+    caller: str,
 ) -> list[torch.Tensor]:
-    """Leaf-wise sum / mean of ``lists``; position ``k`` lands on ``targets[k]``."""
+    """Leaf-wise sum / mean of ``lists`` (checked alike); position ``k`` lands on ``targets[k]``."""
     out: list[torch.Tensor] = [None] * len(targets)  # type: ignore[list-item]
     n = len(lists)
-    for dev, idx in _by_device(range(len(targets)), targets).items():
+    for dev, idx in _pack.group_by(range(len(targets)), targets.__getitem__).items():
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
         sums = _pack.reduce_add_coalesced(
-            group, dev, paths=paths if every else [paths[k] for k in idx], caller=name
+            group, dev, paths=paths if every else [paths[k] for k in idx], caller=caller
         )
         if op == "mean":
             if transform_level() is None and not any(s.requires_grad for s in sums):

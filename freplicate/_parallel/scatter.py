@@ -1,18 +1,24 @@
-"""Scatter and gather: split a batch tree into one shard per device, and join outputs back."""
+"""Scatter and gather: split a batch tree into one shard per device, and join outputs back.
+
+``shard`` is the scatter that ``data_parallel`` and ``data_parallel_grad``
+build on: it takes parsed devices, the public caller's name for its errors,
+and a renaming of paths (``inputs[0]``, ``batch[1]``) so that an error names
+the argument the user passed.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
 from .. import _pack, _tree
-from .._devices import DeviceSpec, as_device, as_devices
+from .._checks import check_int, check_trees
+from .._devices import as_device, as_devices
+from .._typing import DeviceSpec, T, Tree
 
-__all__ = ["gather", "scatter"]
-
-T = TypeVar("T")
+__all__ = ["gather", "scatter", "shard"]
 
 
 def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
@@ -25,28 +31,44 @@ def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
     chunks than devices (a batch of 3 on 4 devices, or of 5, which
     ``torch.chunk`` cuts as 2 + 2 + 1), there are that many shards, and when
     leaves yield different numbers of chunks the smallest wins; a tree without
-    tensor leaves gives one shard per device. A 0-dim tensor cannot be split
-    and raises ``ValueError`` (``nn.parallel.scatter`` fails on it too): pass a
-    scalar as a Python number, or close over it. Differentiable: the gradient
+    tensor leaves gives one shard per device. Differentiable: the gradient
     of the shards flows back into ``tree``. Nothing is modified.
 
-    >>> shards = scatter({"x": torch.arange(5.0), "tag": "a"}, ["cpu", "cpu"])
-    >>> [s["x"].tolist() for s in shards], shards[1]["tag"]
-    ([[0.0, 1.0, 2.0], [3.0, 4.0]], 'a')
-    >>> len(scatter(torch.ones(3, 2), ["cpu"] * 4))
-    3
+    Args:
+        tree: the batch, any pytree; its tensor leaves are split.
+        devices: where the shards go, one device spec each (repeats allowed).
+        dim: the dimension every tensor leaf is split along.
+
+    Returns:
+        One tree per shard, each of ``tree``'s structure.
+
+    Raises:
+        ValueError: a bad device; a 0-dim tensor leaf (it cannot be split: pass
+            a scalar as a Python number, or close over it; ``nn.parallel.scatter``
+            fails on it too); ``dim`` out of range for a leaf.
+        TypeError: ``dim`` is not an int; a sparse or other non-strided leaf.
+
+    Examples:
+        >>> shards = scatter({"x": torch.arange(5.0), "tag": "a"}, ["cpu", "cpu"])
+        >>> [s["x"].tolist() for s in shards], shards[1]["tag"]
+        ([[0.0, 1.0, 2.0], [3.0, 4.0]], 'a')
+        >>> len(scatter(torch.ones(3, 2), ["cpu"] * 4))
+        3
     """
-    devs = as_devices(devices, fn="fr.scatter")
-    return _scatter(tree, devs, dim, "fr.scatter")
+    caller = "fr.scatter"
+    check_int(caller, "dim", dim)
+    return shard(tree, as_devices(devices, caller=caller), dim, caller=caller)
 
 
-def _scatter(
+def shard(
     tree: T,
-    devs: list[torch.device],
+    devs: Sequence[torch.device],
     dim: int,
-    fn: str,
+    *,
+    caller: str,
     rename: Callable[[str], str] | None = None,
 ) -> list[T]:
+    """``scatter`` onto parsed devices; errors name ``caller`` and paths as ``rename`` shows them."""
     leaves, spec = _tree.flatten(tree)
     unique, slot = _tree.alias_groups(leaves)
     if not unique:
@@ -54,15 +76,15 @@ def _scatter(
     paths: Sequence[str] = _tree.LazyPaths(spec, unique)
     if rename is not None:
         paths = _Renamed(paths, rename)
-    chunks = [_chunk(leaves[i], len(devs), dim, paths, k, fn) for k, i in enumerate(unique)]
+    tensors = [leaves[i] for i in unique]
+    _pack.check_packable(tensors, range(len(tensors)), paths, caller=caller)
+    chunks = [_chunk(t, len(devs), dim, paths[k], caller) for k, t in enumerate(tensors)]
     n = min(len(c) for c in chunks)
     shards: list[T] = []
     for d in range(n):
         pieces = [c[d] for c in chunks]
-        moved = _pack.broadcast_coalesced(pieces, [devs[d]], paths=paths, fn=fn)[0]
-        shards.append(
-            _tree.unflatten(spec, [moved[s] if s >= 0 else x for x, s in zip(leaves, slot)])
-        )
+        moved = _pack.broadcast_coalesced(pieces, [devs[d]], paths=paths, caller=caller)[0]
+        shards.append(_tree.rebuild(spec, leaves, slot, moved))
     return shards
 
 
@@ -80,27 +102,22 @@ class _Renamed(Sequence[str]):
         return self._rename(self._paths[i])
 
 
-def _chunk(
-    t: torch.Tensor, n: int, dim: int, paths: Sequence[str], k: int, fn: str
-) -> tuple[torch.Tensor, ...]:
+def _chunk(t: torch.Tensor, n: int, dim: int, path: str, caller: str) -> tuple[torch.Tensor, ...]:
     nd = t.dim()
     if nd == 0:
         raise ValueError(
-            f"{fn}: the tensor at {paths[k]} is 0-dim and cannot be split along dim {dim}; "
+            f"{caller}: the tensor at {path} is 0-dim and cannot be split along dim {dim}; "
             "pass a scalar as a Python number (shared by every shard) or close over it"
         )
     if not -nd <= dim < nd:
         raise ValueError(
-            f"{fn}: dim={dim} is out of range for the tensor at {paths[k]} of shape "
+            f"{caller}: dim={dim} is out of range for the tensor at {path} of shape "
             f"{tuple(t.shape)} (expected -{nd} <= dim < {nd})"
         )
     return torch.chunk(t, n, dim)
 
 
-# --------------------------------------------------------------------------- gather
-
-
-def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
+def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
     """Concatenate ``trees`` leaf-wise along ``dim`` onto ``device``; the inverse of scatter.
 
     Every tree's tensor leaves move to ``device`` in one flat buffer per dtype
@@ -110,13 +127,30 @@ def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
     leaf equal in every tree comes back once; unequal ones come back as a
     tuple, one value per tree. Differentiable; nothing is modified.
 
-    >>> out = gather([{"y": torch.ones(2), "loss": torch.tensor(1.0), "k": "a"},
-    ...               {"y": torch.zeros(1), "loss": torch.tensor(3.0), "k": "b"}], "cpu")
-    >>> out["y"].tolist(), out["loss"].tolist(), out["k"]
-    ([1.0, 1.0, 0.0], [1.0, 3.0], ('a', 'b'))
+    Args:
+        trees: one tree per replica, all of one structure (a list, not one tree).
+        device: where the result lies.
+        dim: the dimension tensor leaves are concatenated along.
+
+    Returns:
+        One tree of the trees' structure.
+
+    Raises:
+        TypeError: ``trees`` is a single tree (a dict, a tensor) rather than a
+            list of them; ``dim`` is not an int.
+        ValueError: ``trees`` is empty; a bad device; trees of different
+            structure, or a tensor in one tree where another has a non-tensor
+            (naming the first differing path); shapes that do not concatenate.
+
+    Examples:
+        >>> out = gather([{"y": torch.ones(2), "loss": torch.tensor(1.0), "k": "a"},
+        ...               {"y": torch.zeros(1), "loss": torch.tensor(3.0), "k": "b"}], "cpu")
+        >>> out["y"].tolist(), out["loss"].tolist(), out["k"]
+        ([1.0, 1.0, 0.0], [1.0, 3.0], ('a', 'b'))
     """
+    trees = check_trees("fr.gather", trees)
+    check_int("fr.gather", "dim", dim)
     dev = as_device(device, caller="fr.gather")
-    trees = list(trees)
     if not trees:
         raise ValueError("fr.gather: trees is empty; give at least one tree")
     flats = [_tree.flatten(t) for t in trees]
@@ -137,8 +171,8 @@ def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
         elif any(kinds):
             j = kinds.index(not kinds[0])
             raise ValueError(
-                f"fr.gather: trees differ at {paths[i]}: {_kind(col[0])} in tree 0, "
-                f"{_kind(col[j])} in tree {j}"
+                f"fr.gather: trees differ at {paths[i]}: {_tree.describe(col[0])} in tree 0, "
+                f"{_tree.describe(col[j])} in tree {j}"
             )
         else:
             out.append(col[0] if all(_same(col[0], x) for x in col[1:]) else tuple(col))
@@ -146,7 +180,7 @@ def gather(trees: Sequence[Any], device: DeviceSpec, *, dim: int = 0) -> Any:
         sub = _tree.LazyPaths(spec, tensor_pos)
         moved = [
             _pack.broadcast_coalesced(
-                [columns[i][j] for i in tensor_pos], [dev], paths=sub, fn="fr.gather"
+                [columns[i][j] for i in tensor_pos], [dev], paths=sub, caller="fr.gather"
             )[0]
             for j in range(len(trees))
         ]
@@ -180,12 +214,6 @@ def _join(parts: list[torch.Tensor], dim: int, paths: Sequence[str], i: int) -> 
             f"fr.gather: cannot concatenate the tensors at {paths[i]} along dim {dim}: "
             f"shapes {shapes}: {err}"
         ) from err
-
-
-def _kind(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)}"
-    return f"a {type(x).__name__} ({x!r})"
 
 
 def _same(a: Any, b: Any) -> bool:
