@@ -13,6 +13,7 @@ from typing import Any
 
 from . import distributed as distributed
 from ._apply import apply as apply
+from ._caches import clear_caches as clear_caches
 from ._grad import grad_and_value as grad_and_value
 from ._parallel import all_reduce as all_reduce
 from ._parallel import data_parallel as data_parallel
@@ -22,24 +23,30 @@ from ._parallel import parallel_apply as parallel_apply
 from ._parallel import scatter as scatter
 from ._replicate import replicate as replicate
 from ._state import State as State
+from ._state import combine as combine
+from ._state import partition as partition
 from ._state import state as state
 
 __version__ = "0.1.0"
 
+# ``testing`` is left out of ``__all__``: ``from freplicate import *`` must work
+# without its optional ``hypothesis`` dependency (``fr.testing`` still imports it).
 __all__ = [
     "State",
     "all_reduce",
     "apply",
+    "clear_caches",
+    "combine",
     "data_parallel",
     "data_parallel_grad",
     "distributed",
     "gather",
     "grad_and_value",
     "parallel_apply",
+    "partition",
     "replicate",
     "scatter",
     "state",
-    "testing",
 ]
 
 

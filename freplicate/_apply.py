@@ -1,129 +1,146 @@
 """``apply(module, state, ...)``: run a module's forward with a state bound.
 
-``apply`` runs a module's forward with a given state bound, as
-``torch.func.functional_call`` does, but through a *skeleton*: a shallow copy
-of every submodule object (the seed ``replicate``'s per-device copies), whose
-``_parameters`` / ``_buffers`` / ``_modules`` dicts are its own. Binding a
-state writes those dicts only, so the caller's module is never touched and
-two threads never see each other's tensors. Skeletons are built once per
-module and kept in a small pool (one per concurrent caller): a lock guards
-only the pool, never the forward, so replicas run truly in parallel.
+``apply`` computes what ``torch.func.functional_call`` computes, without
+touching the caller's module, through a *skeleton*: a shallow copy of every
+submodule object that holds a tensor somewhere below it (the seed
+``replicate``'s per-device copies), with ``_parameters`` / ``_buffers`` /
+``_modules`` dicts of its own. Binding a state writes those dicts only, so
+two threads never see each other's tensors and replicas run truly in
+parallel (no lock around the forward).
 
-Each call refreshes every skeleton object's plain attributes from its
-original (``training``, hooks, ``dropout.p`` ..., and attributes deleted
-since), and a change of structure makes the next call rebuild it: a
-parameter, buffer or submodule registered anywhere (registration hooks), or
-a child removed or inserted without one (``del seq[1]``, ``seq.insert``,
-``seq.pop``, which write ``_modules`` directly).
+Three things shape the binding:
+
+- **Structure without hooks.** What ``apply`` knows of a module (a
+  ``_Binder``: where each tensor sits, which names are tied) is checked on
+  every call against the modules themselves: the identity of every value in
+  the copied modules' tensor and child dicts, at C speed. Any change (a
+  parameter deleted, set to ``None``, replaced or newly tied, a child
+  inserted or swapped) rebuilds it. Nothing is installed process-wide.
+- **No leak.** A binder holds its modules only weakly, and a skeleton at
+  rest holds none of the originals' attributes (hooks that refer to their
+  module would otherwise keep it alive through the cache).
+- **Autograd's recomputation.** Activation checkpointing re-runs parts of the
+  forward during backward, on the module objects it captured (the skeleton's
+  copies). A skeleton stays bound to its call's tensors for as long as
+  anything outside it still refers to one of its copies (checked by
+  reference counts when the forward returns); only a skeleton that nothing
+  else holds is unbound and reused. While ``torch.compile`` traces, the
+  binding is ``torch.func.functional_call`` itself, which Dynamo understands.
 """
 
 from __future__ import annotations
 
+import itertools
 import operator
-import threading
+import sys
 import weakref
 from collections import deque
+from collections.abc import Callable
 from itertools import repeat
 from typing import Any
 
 import torch
 from torch import nn
 
-from ._state import State
+from . import _caches
+from ._state import State, check_entries, check_state
+from ._torch import is_compiling
 
 __all__ = ["apply"]
 
-
-# --- structure generation: bumped whenever any module registers a tensor or a submodule
-
-
-_GENERATION = [0]
-
-
-def _bump(*_: Any) -> None:
-    _GENERATION[0] += 1
-
-
-nn.modules.module.register_module_parameter_registration_hook(_bump)
-nn.modules.module.register_module_buffer_registration_hook(_bump)
-nn.modules.module.register_module_module_registration_hook(_bump)
-
 _MISSING: Any = object()
-_MODULES = operator.itemgetter("_modules")
 _SET_ATTR = object.__setattr__  # past nn.Module.__setattr__: the copy's __dict__ itself
-# where a tensor is bound: (the copy's dict, key, canonical name, the original's dict)
-_Slots = list[tuple[dict[str, Any], str, str, dict[str, Any]]]
+_DICT = operator.attrgetter("__dict__")
+_DEREF = weakref.ref.__call__
+_PARAMS = operator.itemgetter("_parameters")
+_BUFFERS = operator.itemgetter("_buffers")
+_MODULES = operator.itemgetter("_modules")
+_VALUES = dict.values
+_CHAIN = itertools.chain.from_iterable
+_REFCOUNT = sys.getrefcount
+_FIRST = operator.itemgetter(0)
+_SECOND = operator.itemgetter(1)
+# At most this many idle skeletons are kept per module (one per concurrent caller).
+_POOL_SIZE = 8
+# where a tensor is bound: (index of the copy, key, canonical name)
+_Slot = tuple[int, str, str]
+
+
+def _signature(dicts: list[dict[str, Any]]) -> list[int]:
+    """The identity of every value in the given modules' tensor and child dicts, in order."""
+    return list(
+        map(
+            id,
+            itertools.chain(
+                _CHAIN(map(_VALUES, map(_PARAMS, dicts))),
+                _CHAIN(map(_VALUES, map(_BUFFERS, dicts))),
+                _CHAIN(map(_VALUES, map(_MODULES, dicts))),
+            ),
+        )
+    )
 
 
 class _Skeleton:
-    """One shallow copy of a module tree, with its own tensor and child dicts."""
+    """One shallow copy of a module tree, with its own tensor and child dicts.
 
-    __slots__ = (
-        "bound_dicts",
-        "buffer_slots",
-        "copies",
-        "own",
-        "param_dicts",
-        "param_origs",
-        "param_slots",
-        "root",
-    )
+    At rest, a copy's attribute dict holds only those three dicts, and every
+    tensor slot holds ``None``: no caller tensor and no attribute of the
+    originals (hooks that may refer to their module) is kept alive.
+    """
+
+    __slots__ = ("at_rest", "blank", "buffer_dicts", "call", "copies", "own", "param_dicts")
 
     def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
-        copies: list[nn.Module] = list(mods)  # a module without tensors below it is used as is
-        for i in binder.copied:
-            m = mods[i]
+        # ``mods``: the copied modules, checked against ``binder``'s structure just now
+        copy_of = {}
+        own: list[dict[str, Any]] = []
+        for m in mods:
             c = m.__new__(type(m))
-            c.__dict__ = m.__dict__.copy()
-            c.__dict__["_parameters"] = dict(m._parameters)
-            c.__dict__["_buffers"] = dict(m._buffers)
-            c.__dict__["_modules"] = dict(m._modules)
-            copies[i] = c
-        for i in binder.copied:
-            c = copies[i]
-            for key, j in binder.children[i]:
-                c._modules[key] = copies[j] if j >= 0 else None
-        self.root = copies[0]
-        self.copies = [copies[i] for i in binder.copied]
-        self.own = [
-            {"_parameters": c._parameters, "_buffers": c._buffers, "_modules": c._modules}
-            for c in (copies[i] for i in binder.copied)
-        ]
-        self.param_slots: _Slots = [
-            (copies[i]._parameters, key, canon, mods[i]._parameters)
-            for i, key, canon in binder.param_slots
-        ]
-        # the same, column-wise, for the C-speed binding of a complete ``params``
-        self.param_dicts = [d for d, _, _, _ in self.param_slots]
-        # each copy's parameter dict once, beside its original's: unbinding restores it whole
-        pairs = {id(d): (d, od) for d, _, _, od in self.param_slots}
-        self.bound_dicts = [d for d, _ in pairs.values()]
-        self.param_origs = [od for _, od in pairs.values()]
-        self.buffer_slots: _Slots = [
-            (copies[i]._buffers, key, canon, mods[i]._buffers)
-            for i, key, canon in binder.buffer_slots
-        ]
+            parts = {
+                "_parameters": dict.fromkeys(m._parameters),
+                "_buffers": dict.fromkeys(m._buffers),
+                "_modules": dict(m._modules),  # children not copied: the originals (tensorless)
+            }
+            _SET_ATTR(c, "__dict__", parts)
+            copy_of[id(m)] = c
+            own.append(parts)
+        for parts in own:
+            children = parts["_modules"]
+            for key, child in children.items():
+                if child is not None and id(child) in copy_of:
+                    children[key] = copy_of[id(child)]
+        self.copies = [copy_of[id(m)] for m in mods]
+        self.own = own
+        self.param_dicts = [d["_parameters"] for d in own]
+        self.buffer_dicts = [d["_buffers"] for d in own]
+        self.blank = [(dict(d["_parameters"]), dict(d["_buffers"])) for d in own]
+        root = self.copies[0]
+        self.call: Callable[..., Any] = root
+        if binder.compiled is not None:
+            # torch.compile(m): a compiled wrapper of the copy of m, made as torch.compile makes
+            # one (its compiled code would otherwise run on m itself and ignore the state);
+            # the wrapper reads the copy's attributes once, so lend it the original's
+            j = self.copies.index(root._modules["_orig_mod"])  # type: ignore[arg-type]
+            _SET_ATTR(self.copies[j], "__dict__", mods[j].__dict__ | own[j])
+            self.call = binder.compiled(self.copies[j])
+            _SET_ATTR(self.copies[j], "__dict__", own[j])
+        self.at_rest: list[int] = []
+
+    def counts(self) -> list[int]:
+        """Reference counts of the copies: above ``at_rest``, something outside holds one."""
+        return list(map(_REFCOUNT, self.copies))
 
 
 class _Binder:
-    """What ``apply`` knows of one module: its names, and a pool of skeletons."""
+    """What ``apply`` knows of one module's structure, and a pool of its skeletons.
+
+    Holds every module weakly: a hook or attribute of a module that refers
+    to the module itself must not keep it alive through this cache.
+    """
 
     def __init__(self, module: nn.Module) -> None:
         mods = list(module.modules())
         index = {id(m): i for i, m in enumerate(mods)}
-        self.generation = _GENERATION[0]
-        self.mods_ref = [weakref.ref(m) for m in mods]
-        self.orig_dicts = [m.__dict__ for m in mods]
-        # Children change without a registration hook only through direct edits of
-        # ``_modules`` (``del seq[1]``, ``seq.insert``, ``seq.pop``): watch the
-        # modules that have children, and the containers that make such edits.
-        watched = [
-            m
-            for m in mods
-            if m._modules or isinstance(m, (nn.Sequential, nn.ModuleList, nn.ModuleDict))
-        ]
-        self.watched_dicts = [m.__dict__ for m in watched]
-        self.children_snapshot = [dict(m._modules) for m in watched]
         self.children = [
             [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
             for m in mods
@@ -140,95 +157,102 @@ class _Binder:
         for name, t in module.named_buffers(remove_duplicate=False):
             self.alias[name] = canon[id(t)]
         self.canonical_names = frozenset(canon.values())
-        self.param_slots = [
-            (i, key, canon[id(p)])
-            for i, m in enumerate(mods)
-            for key, p in m._parameters.items()
-            if p is not None
-        ]
-        self.buffer_slots = [
-            (i, key, canon[id(b)])
-            for i, m in enumerate(mods)
-            for key, b in m._buffers.items()
-            if b is not None
-        ]
-        self.param_keys = [key for _, key, _ in self.param_slots]
-        self.param_canon = [canon for _, _, canon in self.param_slots]
-        self.param_names = frozenset(self.param_canon)
-        self.buffer_names = list(dict.fromkeys(c for _, _, c in self.buffer_slots))
         # Only modules with a tensor somewhere below them need a copy of their own;
         # the rest (activations, dropout, ...) hold nothing to bind, and the skeleton
         # calls the originals, so each call refreshes fewer attribute dicts.
-        needs = [False] * len(mods)
-        for i, _, _ in self.param_slots + self.buffer_slots:
-            needs[i] = True
+        needs = [bool(m._parameters or m._buffers) for m in mods]
         grew = True
         while grew:  # up from every holder to the root (shared submodules: any order)
             grew = False
             for i, kids in enumerate(self.children):
                 if not needs[i] and any(j >= 0 and needs[j] for _, j in kids):
                     needs[i] = grew = True
+        needs[0] = True  # the root is always a copy: the call goes through it
         self.copied = [i for i, n in enumerate(needs) if n]
-        self.copied_dicts = [self.orig_dicts[i] for i in self.copied]
+        position = {i: k for k, i in enumerate(self.copied)}
+        self.param_slots: list[_Slot] = [
+            (position[i], key, canon[id(p)])
+            for i, m in enumerate(mods)
+            for key, p in m._parameters.items()
+            if p is not None
+        ]
+        self.buffer_slots: list[_Slot] = [
+            (position[i], key, canon[id(b)])
+            for i, m in enumerate(mods)
+            for key, b in m._buffers.items()
+            if b is not None
+        ]
+        self.param_at = [k for k, _, _ in self.param_slots]
+        self.param_keys = [key for _, key, _ in self.param_slots]
+        self.param_canon = [c for _, _, c in self.param_slots]
+        self.param_names = frozenset(self.param_canon)
+        self.buffer_names = list(dict.fromkeys(slot[2] for slot in self.buffer_slots))
+        self.refs = [weakref.ref(mods[i]) for i in self.copied]
+        self.signature = _signature([mods[i].__dict__ for i in self.copied])
+        self.compiled = _dynamo_context(module)
         self.pool: list[_Skeleton] = []
-        self.lock = threading.Lock()
 
-    def children_unchanged(self) -> bool:
-        # Deleting or inserting a child (``del seq[1]``, ``seq.insert``) fires no
-        # registration hook; children compare by identity, at C speed.
-        return all(map(operator.eq, map(_MODULES, self.watched_dicts), self.children_snapshot))
+    def originals(self) -> list[dict[str, Any]] | None:
+        """The copied modules' attribute dicts now, or ``None`` if the structure changed."""
+        mods = list(map(_DEREF, self.refs))
+        if None in mods:
+            return None
+        dicts = list(map(_DICT, mods))
+        return dicts if _signature(dicts) == self.signature else None
 
-    def same_structure(self, other: _Binder) -> bool:
-        return (
-            self.children == other.children
-            and self.param_slots == other.param_slots
-            and self.buffer_slots == other.buffer_slots
-            and all(x() is y() for x, y in zip(self.mods_ref, other.mods_ref))
-        )
-
-    def acquire(self) -> _Skeleton:
-        with self.lock:
-            if self.pool:
-                return self.pool.pop()
-        mods = [r() for r in self.mods_ref]
-        return _Skeleton(self, mods)  # type: ignore[arg-type]
+    def skeleton(self) -> _Skeleton:
+        try:
+            return self.pool.pop()  # atomic: no lock, each caller its own skeleton
+        except IndexError:
+            pass
+        mods = list(map(_DEREF, self.refs))
+        skel = _Skeleton(self, mods)  # type: ignore[arg-type]
+        del mods
+        skel.at_rest = skel.counts()  # here, where no local refers to a copy
+        return skel
 
     def release(self, skel: _Skeleton) -> None:
-        with self.lock:
+        if len(self.pool) < _POOL_SIZE:
             self.pool.append(skel)
 
 
+def _dynamo_context(module: nn.Module) -> Callable[[nn.Module], nn.Module] | None:
+    """For ``torch.compile(m)``: a function wrapping a copy of ``m`` as ``m`` is wrapped."""
+    orig = module.__dict__.get("_modules", {}).get("_orig_mod")
+    ctx = module.__dict__.get("dynamo_ctx")
+    if orig is None or ctx is None or type(module).__name__ != "OptimizedModule":
+        return None
+    return lambda copy: type(module)(copy, ctx)  # type: ignore[call-arg]
+
+
 _BINDERS: weakref.WeakKeyDictionary[nn.Module, _Binder] = weakref.WeakKeyDictionary()
-_BINDERS_LOCK = threading.Lock()
+_caches.register(_BINDERS.clear)
 
 
-def _binder(module: nn.Module) -> _Binder:
+def _binder(module: nn.Module) -> tuple[_Binder, list[dict[str, Any]]]:
+    """The module's binder, checked against the module as it is now (rebuilt if it changed)."""
     b = _BINDERS.get(module)
-    if b is not None and b.generation == _GENERATION[0] and b.children_unchanged():
-        return b
-    # Something, somewhere, registered a tensor or a submodule: check this module.
-    with _BINDERS_LOCK:
-        fresh = _Binder(module)
-        if b is not None and b.same_structure(fresh):
-            b.generation = fresh.generation
-            return b
-        _BINDERS[module] = fresh
-        return fresh
+    if b is not None:
+        dicts = b.originals()
+        if dicts is not None:
+            return b, dicts
+    b = _Binder(module)
+    _BINDERS[module] = b
+    dicts = b.originals()
+    assert dicts is not None
+    return b, dicts
 
 
-def _canonical(given: dict[str, torch.Tensor], b: _Binder, what: str) -> dict[str, torch.Tensor]:
+def _canonical(given: dict[str, Any], b: _Binder, what: str) -> dict[str, Any] | None:
+    """``given`` under canonical names; ``None`` if it names something the binder lacks."""
     if given.keys() <= b.canonical_names:  # the common case, checked at C speed
         return given
     alias = b.alias
-    unknown = [k for k in given if k not in alias]
-    if unknown:
-        raise KeyError(
-            f"fr.apply: state.{what} has {unknown[0]!r}, which the module does not have"
-            + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
-        )
+    if any(k not in alias for k in given):
+        return None
     if all(alias[k] == k for k in given):
         return given
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}
     for k, v in given.items():
         c = alias[k]
         if c in out and out[c] is not v:
@@ -237,6 +261,14 @@ def _canonical(given: dict[str, torch.Tensor], b: _Binder, what: str) -> dict[st
             )
         out[c] = v
     return out
+
+
+def _unknown(given: dict[str, Any], b: _Binder, what: str) -> KeyError:
+    unknown = [k for k in given if k not in b.alias]
+    return KeyError(
+        f"fr.apply: state.{what} has {unknown[0]!r}, which the module does not have"
+        + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
+    )
 
 
 def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tuple[Any, State]:
@@ -249,68 +281,138 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     ``new_state.buffers``; ``new_state.params`` is ``state.params``. Names
     missing from ``state`` fall back to the module's own tensors.
 
+    The binding lasts as long as the call's autograd graph can replay the
+    forward (activation checkpointing recomputes with the state's tensors,
+    not the module's). A ``torch.compile``-d module runs its compiled code
+    with the state bound. Under ``torch.compile`` the call traces as
+    ``functional_call`` (no graph break).
+
+    Args:
+        module: the module whose forward runs; never modified.
+        state: an ``fr.State(params, buffers)``: dicts of tensors keyed by
+            qualified name (tied names may be given under any of their names).
+        *args: positional arguments of the forward.
+        **kwargs: keyword arguments of the forward.
+
+    Returns:
+        ``(output, new_state)``: the forward's output, and ``State(state.params,
+        buffers after the forward)``.
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``, or ``state`` is not a
+            ``State`` of dicts of tensors (the message names the bad entry).
+        KeyError: ``state`` names a tensor the module does not have.
+        ValueError: two tied names are given different tensors.
+
+    >>> import freplicate as fr
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <...>
     >>> bn = nn.BatchNorm1d(2)
-    >>> s = state(bn)
-    >>> out, s2 = apply(bn, s, torch.randn(4, 2))
+    >>> s = fr.state(bn)
+    >>> out, s2 = fr.apply(bn, s, torch.randn(4, 2))
     >>> int(s2.buffers["num_batches_tracked"]), int(s.buffers["num_batches_tracked"])
     (1, 0)
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fr.apply: module must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(
-            f"fr.apply: state must be an fr.State(params, buffers), got {type(state).__name__}"
-        )
-    b = _binder(module)
-    params = state[0]
+    check_state(state, "fr.apply")
+    if is_compiling():
+        return _traced(module, state, args, kwargs)
+    b, dicts = _binder(module)
+    params: dict[str, Any] = state[0]
+    buffers: dict[str, Any] = state[1]
     # every parameter under its first name (what fr.state gives): one pass decides
     complete = params.keys() == b.param_names
-    if not complete:
-        params = _canonical(params, b, "params")
+    if not complete or buffers:
+        canon_p = params if complete else _canonical(params, b, "params")
+        canon_b = _canonical(buffers, b, "buffers")
+        if canon_p is None or canon_b is None:
+            # a name the cached structure lacks, perhaps in a module it does not watch
+            b = _BINDERS[module] = _Binder(module)
+            dicts = b.originals()  # type: ignore[assignment]
+            canon_p = params if complete else _canonical(params, b, "params")
+            canon_b = _canonical(buffers, b, "buffers")
+            if canon_p is None:
+                raise _unknown(params, b, "params")
+            if canon_b is None:
+                raise _unknown(buffers, b, "buffers")
+        params, buffers = canon_p, canon_b
         complete = params.keys() >= b.param_names
-    buffers = _canonical(state[1], b, "buffers")
-    skel = b.acquire()
+    skel = b.skeleton()
+    bound = False
     try:
         # each copy gets a new attribute dict: its original's, with its own tensor and child
         # dicts (``original | own``, a C-level clone): train()/eval() and any attribute
         # change are seen, and an attribute a forward set on the copy is forgotten
-        fresh = map(operator.or_, b.copied_dicts, skel.own)
-        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), fresh), 0)
-        pget, bget = params.get, buffers.get
+        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), map(operator.or_, dicts, skel.own)), 0)
+        bound = True
+        pdicts = skel.param_dicts
         if complete:  # every parameter given: bind at C speed
+            targets = map(pdicts.__getitem__, b.param_at)
             values = map(params.__getitem__, b.param_canon)
-            deque(map(operator.setitem, skel.param_dicts, b.param_keys, values), 0)
+            deque(map(operator.setitem, targets, b.param_keys, values), 0)
         else:
-            for d, key, canon, od in skel.param_slots:
+            pget, bget = params.get, buffers.get
+            for at, key, canon in b.param_slots:
                 v = pget(canon, _MISSING)
                 if v is _MISSING:
                     v = bget(canon, _MISSING)
                     if v is _MISSING:
-                        v = od[key]
-                d[key] = v
-        copies: dict[str, torch.Tensor] = {}
-        for d, key, canon, od in skel.buffer_slots:
-            v = copies.get(canon)
-            if v is None:
-                v = bget(canon, _MISSING)
-                if v is _MISSING:
-                    v = pget(canon, _MISSING)
+                        v = dicts[at]["_parameters"][key]
+                pdicts[at][key] = v
+        new_buffers: dict[str, torch.Tensor] = {}
+        if b.buffer_slots:
+            bget, pget = buffers.get, params.get
+            for at, key, canon in b.buffer_slots:
+                v = new_buffers.get(canon)
+                if v is None:
+                    v = bget(canon, _MISSING)
                     if v is _MISSING:
-                        v = od[key]
-                v = copies[canon] = v.clone()
-            d[key] = v
-        out = skel.root(*args, **kwargs)
-        new_buffers = {canon: d[key] for d, key, canon, _ in skel.buffer_slots}
+                        v = pget(canon, _MISSING)
+                        if v is _MISSING:
+                            v = dicts[at]["_buffers"][key]
+                    if not isinstance(v, torch.Tensor):
+                        check_entries(state, "fr.apply")
+                    v = new_buffers[canon] = v.clone()
+                skel.buffer_dicts[at][key] = v
+        try:
+            out = skel.call(*args, **kwargs)
+        except Exception:
+            check_entries(state, "fr.apply")  # a non-tensor in the state: say so, not torch
+            raise
+        if b.buffer_slots:  # a forward may rebind a buffer (``self.buf = new``)
+            new_buffers = {
+                canon: skel.buffer_dicts[at][key] for at, key, canon in b.buffer_slots
+            }
     finally:
-        # unbind (back to the module's own tensors), so that a pooled skeleton
-        # keeps no caller's tensor alive
-        deque(map(dict.update, skel.bound_dicts, skel.param_origs), 0)
-        for d, key, _, od in skel.buffer_slots:
-            d[key] = od.get(key)
-        b.release(skel)
+        del dicts
+        if bound and skel.counts() == skel.at_rest:
+            _unbind(b, skel)
+            b.release(skel)
+        # else: something outside (a checkpoint's recomputation, a forward that kept
+        # ``self``) still holds a copy: the skeleton stays bound to this call's tensors
+        # until that is gone, and is never reused.
     ordered = {k: new_buffers[k] for k in buffers if k in new_buffers}
     for k in b.buffer_names:
         ordered.setdefault(k, new_buffers[k])
     return out, State(state[0], ordered)
+
+
+def _unbind(b: _Binder, skel: _Skeleton) -> None:
+    """Back to rest: no caller tensor, no attribute of the originals kept alive."""
+    deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), skel.own), 0)
+    deque(map(dict.update, skel.param_dicts, map(_FIRST, skel.blank)), 0)
+    if b.buffer_slots:
+        deque(map(dict.update, skel.buffer_dicts, map(_SECOND, skel.blank)), 0)
+
+
+def _traced(module: nn.Module, state: State, args: Any, kwargs: Any) -> tuple[Any, State]:
+    """The binding while Dynamo traces: ``functional_call``, which it compiles without a break."""
+    params, buffers = state
+    named = dict(module.named_buffers())
+    new_buffers = {k: v.clone() for k, v in buffers.items()}
+    for k, v in named.items():
+        if k not in new_buffers and k not in params:
+            new_buffers[k] = v.clone()
+    out = torch.func.functional_call(module, {**params, **new_buffers}, args, kwargs)
+    return out, State(params, new_buffers)
