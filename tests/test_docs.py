@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ import freplicate as fr
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
-COLLECTIVE = ["docs/distributed.md"]
+COLLECTIVE = ["docs/distributed.md", "docs/frozen_parameters.md", "docs/uneven_inputs.md"]
 
 _FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 _NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
@@ -94,10 +95,13 @@ def test_every_block_names_its_language_and_every_marker_its_reason(page: str) -
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p not in COLLECTIVE and runnable(p)])
-def test_page_runs(page: str) -> None:
-    namespace: dict[str, object] = {"__name__": f"docs:{page}"}
+def test_page_runs(page: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the page runs as a module of its own, as a script would: torch.compile looks its
+    # functions' module up in sys.modules
+    module = types.ModuleType("docs_page_" + re.sub(r"\W", "_", page))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     for b in runnable(page):
-        exec(compile(b.code, b.where, "exec"), namespace)
+        exec(compile(b.code, b.where, "exec"), module.__dict__)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
