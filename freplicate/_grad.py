@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,8 +27,8 @@ import torch
 import torch.func
 from torch.overrides import has_torch_function
 
-from ._leaves import UNSTACKED, leaves_for
-from ._torch import engine_grad, transform_level
+from ._leaves import UNSTACKED, Leaves, leaves_for
+from ._torch import engine_grad, is_compiling, transform_level
 from ._tree import tensor_values
 
 __all__ = ["grad_and_value"]
@@ -43,83 +44,237 @@ def grad_and_value(
     ``grads`` has the structure of ``args[argnums]`` (a tuple of such trees
     for a tuple ``argnums``); ``value`` is ``fn``'s scalar output (with
     ``has_aux``, ``(value, aux)``). Leaves that do not reach the output get
-    zero gradients.
+    zero gradients. The caller's tensors are never modified.
 
+    Outside any ``torch.func`` transform the gradients come from one
+    autograd pass over fresh leaves (much cheaper than ``torch.func`` on
+    models of many small tensors); activation checkpointing works in both
+    modes (``use_reentrant=True`` checkpoints take one full ``.backward()``
+    over the fresh leaves, which that mode requires). When an argument
+    already carries an autograd graph, the gradients are taken with
+    ``create_graph=True`` so that they stay differentiable through it, as
+    torch.func's are. Under ``torch.compile``, a transform, or inference
+    mode, this is ``torch.func.grad_and_value`` itself.
+
+    Args:
+        fn: the function to differentiate; returns a scalar tensor (with
+            ``has_aux``, a ``(scalar, aux)`` pair).
+        argnums: which positional argument(s) to differentiate: an int, or a
+            non-empty tuple of distinct ints.
+        has_aux: whether ``fn`` returns ``(value, aux)``.
+
+    Returns:
+        ``g(*args, **kwargs) -> (grads, value)``, or ``(grads, (value, aux))``.
+
+    Raises:
+        TypeError: ``fn`` is not callable, or ``argnums`` is not an int or a
+            non-empty tuple of ints.
+        RuntimeError: ``argnums`` repeats an argument or is out of range for the
+            call; a differentiated leaf is not a floating-point or complex tensor
+            (named by its path); ``fn`` does not return a scalar tensor.
+
+    >>> import freplicate as fr
     >>> w = {"a": torch.tensor(2.0), "b": torch.tensor(5.0)}
-    >>> grad_and_value(lambda w, x: w["a"] * x)(w, torch.tensor(3.0))
+    >>> fr.grad_and_value(lambda w, x: w["a"] * x)(w, torch.tensor(3.0))
     ({'a': tensor(3.), 'b': tensor(0.)}, tensor(6.))
     """
-    if not (isinstance(argnums, int) or (isinstance(argnums, tuple) and argnums)):
+    if not callable(fn):
+        raise TypeError(f"fr.grad_and_value: fn must be callable, got {type(fn).__name__}")
+    if not (
+        (isinstance(argnums, int) and not isinstance(argnums, bool))
+        or (
+            isinstance(argnums, tuple)
+            and argnums
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in argnums)
+        )
+    ):
         raise TypeError(
             f"fr.grad_and_value: argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
         )
+    if isinstance(argnums, tuple) and len(set(argnums)) != len(argnums):
+        raise RuntimeError(f"fr.grad_and_value: argnums elements must be unique, got {argnums!r}")
     reference = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)
+    nums = (argnums,) if isinstance(argnums, int) else argnums
+    first_call = [True]
 
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        if transform_level() is not None or torch.is_inference_mode_enabled():
-            # under inference_mode autograd records nothing, even with enable_grad:
-            # torch.func still differentiates there
+        if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
+            # Dynamo traces torch.func.grad without a break; under inference_mode autograd
+            # records nothing, even with enable_grad, and torch.func still differentiates
             return reference(*args, **kwargs)
-        nums = (argnums,) if isinstance(argnums, int) else argnums
         for n in nums:
             if not -len(args) <= n < len(args):
                 raise RuntimeError(
                     f"fr.grad_and_value: argnums={argnums!r} is out of range for "
                     f"{len(args)} positional argument(s)"
                 )
+        chosen = [n % len(args) for n in nums]
+        if len(set(chosen)) != len(chosen):
+            raise RuntimeError(
+                f"fr.grad_and_value: argnums={argnums!r} names one argument twice "
+                f"for {len(args)} positional argument(s)"
+            )
         flat = [_flatten(args[n]) for n in nums]  # each differentiated tree once
-        chosen = {n % len(args) for n in nums}
         others = [a for i, a in enumerate(args) if i not in chosen]
         rest: list[Any] = optree.tree_leaves((others, kwargs))  # type: ignore[arg-type]
         tensors = list(itertools.chain.from_iterable(leaves for leaves, _ in flat))
         only_tensors = all(issubclass(k, torch.Tensor) for k in set(map(type, tensors)))
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest) or (
-            any(map(_REQUIRES_GRAD, tensors))
-            if only_tensors
-            else any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-        ):
-            # an outer autograd graph: torch.func keeps it, so let it answer
-            return reference(*args, **kwargs)
         if not only_tensors:
-            for n, (leaves, _) in zip(nums, flat):
-                for leaf in leaves:
-                    if not isinstance(leaf, torch.Tensor):
-                        raise RuntimeError(
-                            f"fr.grad_and_value: expected only tensors in args[{n}], "
-                            f"got a leaf of type {type(leaf).__name__}"
-                        )
-        layout = leaves_for(tensors)
-        try:
-            made = layout.make(tensors)
-            if made is None:
-                layout = UNSTACKED
-                made = layout.make(tensors)
-            assert made is not None
-            diff, fresh = made
-        except RuntimeError:
-            # made under inference_mode (no requires_grad outside it): torch.func copes
+            _check_leaves(flat, nums)
+        if any(map(_REQUIRES_GRAD, tensors)) or any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in rest
+        ):
             if any(t.is_inference() for t in tensors):
                 return reference(*args, **kwargs)
-            raise
-        new_args = list(args)
-        start = 0
-        for n, (leaves, rebuild) in zip(nums, flat):
-            new_args[n] = rebuild(fresh[start : start + len(leaves)])
-            start += len(leaves)
+            return _through_graph(fn, args, kwargs, nums, flat, tensors, argnums, has_aux)
+        rng = torch.get_rng_state() if first_call[0] else None
+        first_call[0] = False
+        layout = leaves_for(tensors)
+        made = _fresh(layout, tensors, flat, nums)
+        if made is None:  # made under inference_mode: torch.func copes
+            return reference(*args, **kwargs)
+        layout, diff, fresh = made
+        new_args = _with(args, nums, flat, fresh)
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
-            grads = layout.split(gradients(value, diff))
-        trees = []
-        start = 0
-        for leaves, rebuild in flat:
-            trees.append(rebuild(grads[start : start + len(leaves)]))
-            start += len(leaves)
+            try:
+                grads = layout.split(gradients(value, diff))
+            except RuntimeError as err:
+                if "use_reentrant=True" not in str(err):
+                    raise
+                # a reentrant checkpoint: autograd differentiates it only in a full
+                # .backward(); run fn again (same random numbers where known) and take one
+                del value, aux
+                if rng is not None:
+                    torch.set_rng_state(rng)
+                diff, fresh = layout.make(tensors)  # type: ignore[misc]
+                new_args = _with(args, nums, flat, fresh)
+                value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+                if value.requires_grad:
+                    torch.autograd.backward(value)
+                grads = layout.split(
+                    [d.grad if d.grad is not None else torch.zeros_like(d) for d in diff]
+                )
+        trees = _rebuild(flat, grads)
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         return result, detached(value, aux, has_aux)
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"grad_and_value({getattr(fn, '__name__', 'fn')})"
     return wrapper
+
+
+_Flat = list[tuple[list[Any], Callable[[Sequence[Any]], Any]]]
+
+
+def _check_leaves(flat: _Flat, nums: Sequence[int]) -> None:
+    for n, (leaves, rebuild) in zip(nums, flat):
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                raise RuntimeError(
+                    f"fr.grad_and_value: expected only tensors in args[{n}], "
+                    f"got a leaf of type {type(leaf).__name__} at {_path(rebuild, leaves, i)}"
+                )
+
+
+def _path(rebuild: Callable[[Sequence[Any]], Any], leaves: list[Any], i: int) -> str:
+    """The path of leaf ``i`` of a differentiated tree, for an error message."""
+    marker = object()
+    tree = rebuild([marker if j == i else None for j in range(len(leaves))])
+    paths, found, _ = optree.tree_flatten_with_path(tree, none_is_leaf=True)
+    for path, leaf in zip(paths, found):
+        if leaf is marker:
+            return "".join(f"[{k!r}]" for k in path) or "the root"
+    return f"leaf {i}"
+
+
+def _fresh(
+    layout: Leaves, tensors: list[torch.Tensor], flat: _Flat, nums: Sequence[int]
+) -> tuple[Leaves, list[torch.Tensor], list[torch.Tensor]] | None:
+    """``(layout, diff, fresh)``; ``None`` for inference tensors; names a non-float leaf."""
+    try:
+        made = layout.make(tensors)
+        if made is None:
+            layout = UNSTACKED
+            made = layout.make(tensors)
+        assert made is not None
+        return (layout, *made)
+    except RuntimeError:
+        if any(t.is_inference() for t in tensors):
+            return None
+        start = 0
+        for n, (leaves, rebuild) in zip(nums, flat):
+            for i, t in enumerate(leaves):
+                if not (t.is_floating_point() or t.is_complex()):
+                    raise RuntimeError(
+                        f"fr.grad_and_value: args[{n}]{_path(rebuild, leaves, i)} has dtype "
+                        f"{t.dtype}; only floating-point and complex tensors can be differentiated"
+                        " (pass integer tensors in another argument)"
+                    ) from None
+            start += len(leaves)
+        raise
+
+
+def _with(args: tuple[Any, ...], nums: Sequence[int], flat: _Flat, fresh: Sequence[Any]) -> list[Any]:
+    """``args`` with the differentiated trees rebuilt from ``fresh`` leaves."""
+    new_args = list(args)
+    start = 0
+    for n, (leaves, rebuild) in zip(nums, flat):
+        new_args[n] = rebuild(fresh[start : start + len(leaves)])
+        start += len(leaves)
+    return new_args
+
+
+def _rebuild(flat: _Flat, grads: Sequence[Any]) -> list[Any]:
+    trees = []
+    start = 0
+    for leaves, rebuild in flat:
+        trees.append(rebuild(grads[start : start + len(leaves)]))
+        start += len(leaves)
+    return trees
+
+
+def _through_graph(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    nums: Sequence[int],
+    flat: _Flat,
+    tensors: list[torch.Tensor],
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+) -> tuple[Any, Any]:
+    """Gradients that stay differentiable through the graph some input already carries.
+
+    What ``torch.func.grad_and_value`` returns there, computed by autograd
+    with ``create_graph=True`` over stand-ins of the differentiated leaves
+    (views of those already in a graph, fresh leaves for the others): unlike
+    torch.func, this composes with saved-tensor hooks (non-reentrant
+    activation checkpointing).
+    """
+    carried = [t for t in tensors if t.grad_fn is not None]
+    if carried:
+        warnings.warn(
+            "fr.grad_and_value: a differentiated tensor carries an autograd graph "
+            f"(grad_fn={type(carried[0].grad_fn).__name__}); gradients are taken through it, "
+            "and if parameters are updated with autograd on, that graph grows with every "
+            "step. Update them under torch.no_grad() (or detach them) unless you mean to "
+            "differentiate through the steps.",
+            stacklevel=3,
+        )
+    with torch.enable_grad():
+        fresh = [t.view_as(t) if t.requires_grad else t.detach().requires_grad_() for t in tensors]
+        new_args = _with(args, nums, flat, fresh)
+        value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+        if value.requires_grad and fresh:
+            grads = torch.autograd.grad(
+                value, fresh, create_graph=True, allow_unused=True, materialize_grads=True
+            )
+        else:
+            grads = tuple(torch.zeros_like(t) for t in fresh)
+    trees = _rebuild(flat, grads)
+    result = trees[0] if isinstance(argnums, int) else tuple(trees)
+    return result, ((value, aux) if has_aux else value)
 
 
 def _flatten(tree: Any) -> tuple[list[Any], Callable[[Sequence[Any]], Any]]:
