@@ -296,7 +296,7 @@ def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.dev
 
 
 # --- Flat buffers reused across calls (fr.distributed) -----------------------------------
-# Appended for fr.distributed's buckets: a collective reduces a flat buffer in
+# For fr.distributed's buckets: a collective reduces a flat buffer in
 # place, and handing its views out as results is the cheapest way back to a
 # tree; a fresh buffer per call costs page faults on large trees. A pool
 # reuses a buffer only once no tensor outside the pool shares its storage.

@@ -189,7 +189,7 @@ def describe(node: Any) -> str:
     node by its type and keys or length.
 
     >>> describe(torch.ones(2)), describe(3), describe({"b": 1, "a": 2}), describe([1]), describe(None)
-    ('a tensor of shape (2,) and dtype torch.float32', 'an int (3)', "dict with keys ('a', 'b')", 'list of 1', 'None')
+    ('a tensor of shape (2,) and dtype torch.float32', 'an int (3)', "dict with keys ('b', 'a')", 'list of 1', 'None')
     """
     if node is None:
         return "None"
@@ -201,38 +201,47 @@ def describe(node: Any) -> str:
         if len(shown) > 40:
             shown = shown[:37] + "..."
         return f"{'an' if name[0] in 'aeiouAEIOU' else 'a'} {name} ({shown})"
-    if isinstance(node, dict):
-        return f"{type(node).__name__} with keys {tuple(sorted(node, key=repr))}"
+    if isinstance(node, dict):  # keys in their own order: an order that differs shows
+        return f"{type(node).__name__} with keys {tuple(node)}"
     return f"{type(node).__name__} of {optree.tree_structure(node, is_leaf=lambda x: x is not node).num_children}"
 
 
-def _one_level(node: Any) -> tuple[list[Any], list[Any], PyTreeSpec]:
-    return optree.tree_flatten_with_accessor(node, is_leaf=lambda x: x is not node)
+def _one_level(node: Any, namespace: str) -> tuple[list[Any], list[Any], PyTreeSpec]:
+    return optree.tree_flatten_with_accessor(
+        node, is_leaf=lambda x: x is not node, namespace=namespace
+    )
 
 
 def structure_difference(
-    a: Any, b: Any, render: Callable[[Any], str] | None = None
+    a: Any, b: Any, render: Callable[[Any], str] | None = None, *, namespace: str = ""
 ) -> tuple[str, str, str]:
     """Where the structures of ``a`` and ``b`` first part: ``(path, what a has, what b has)``.
 
-    ``render`` renders the node found there (default: its type, keys or
-    length); ``path`` is ``"the root"`` when the roots already differ.
+    ``render`` renders the node found there (default: ``describe``);
+    ``path`` is ``"the root"`` when the roots already differ. With
+    ``namespace=NAMESPACE``, dicts whose keys come in another order differ.
 
     >>> structure_difference({"a": [1, 2]}, {"a": [1]})
     ("['a']", 'list of 2', 'list of 1')
+    >>> structure_difference({"a": 1, "b": 2}, {"b": 2, "a": 1}, namespace=NAMESPACE)
+    ('the root', "dict with keys ('a', 'b')", "dict with keys ('b', 'a')")
     """
-    return _diff(a, b, optree.PyTreeAccessor(), render or describe)
+    return _diff(a, b, optree.PyTreeAccessor(), render or describe, namespace)
 
 
-def _diff(a: Any, b: Any, path: Any, render: Callable[[Any], str]) -> tuple[str, str, str]:
+def _diff(
+    a: Any, b: Any, path: Any, render: Callable[[Any], str], namespace: str
+) -> tuple[str, str, str]:
     where = path_str(path) if len(path) else "the root"
-    acc_a, kids_a, spec_a = _one_level(a)
-    _, kids_b, spec_b = _one_level(b)
+    acc_a, kids_a, spec_a = _one_level(a, namespace)
+    _, kids_b, spec_b = _one_level(b, namespace)
     if spec_a != spec_b or spec_a.num_children == 0:
         return where, render(a), render(b)
     for acc, ca, cb in zip(acc_a, kids_a, kids_b):
-        if optree.tree_structure(ca) != optree.tree_structure(cb):
-            return _diff(ca, cb, path + acc, render)
+        if optree.tree_structure(ca, namespace=namespace) != optree.tree_structure(
+            cb, namespace=namespace
+        ):
+            return _diff(ca, cb, path + acc, render, namespace)
     return where, render(a), render(b)  # pragma: no cover
 
 

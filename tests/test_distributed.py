@@ -355,10 +355,10 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     from freplicate._distributed import plan as planning
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    plan, leaves = planning._plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
+    plan, leaves = planning.plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
     names = list(tree)
     name_of = {id(t): n for n, t in tree.items()}
     order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]
     assert order == names[::-1]
     # and the user's dict comes back with its own key order
-    assert list(planning._rebuild(plan, list(tree.values()), [tree[n] for n in names])) == names
+    assert list(planning.rebuild_tree(plan, list(tree.values()), [tree[n] for n in names])) == names

@@ -133,7 +133,7 @@ def test_rebuild_realiases_and_passes_other_leaves() -> None:
         ("x" * 50, "a str ('" + "x" * 36 + "...)"),
         (1.5, "a float (1.5)"),
         (object, "a type (<class 'object'>)"),
-        ({"b": 1, "a": 2}, "dict with keys ('a', 'b')"),
+        ({"b": 1, "a": 2}, "dict with keys ('b', 'a')"),
         ((1, 2), "tuple of 2"),
         (None, "None"),
     ],

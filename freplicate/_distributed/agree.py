@@ -10,62 +10,66 @@ from __future__ import annotations
 
 import pickle
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 
-from .._tree import describe, paths_of, structure_difference
-from .group import _comm_device, _world
-from .plan import _FLAGS, _Plan
+from .._tree import NAMESPACE, describe, paths_of, structure_difference
+from .._typing import TensorTree
+from .group import comm_device, world_size
+from .plan import FLAGS, FirstCollective, Plan
 
-# Per process group: the *agreed* layout and the *second* one (or None), each as (fingerprint,
-# first collective): the last two layouts every rank is known to have run together. Identical on
-# every rank, as they change only after a collective verdict (see ``_agree``); kept apart from
-# ``_PLANS``, whose evictions are per rank. Weakly keyed: a destroyed group's state goes with it.
-_Agreed = tuple[int, tuple[int, torch.dtype, torch.device, Any]]
-_AGREED: weakref.WeakKeyDictionary[Any, tuple[_Agreed, _Agreed | None]] = (
-    weakref.WeakKeyDictionary()
-)
+__all__ = ["agree", "mismatch", "probe", "verify"]
 
 
-def probe(plan: _Plan, group: Any) -> tuple[torch.Tensor, Any]:
+class Agreed(NamedTuple):
+    """A layout every rank of a group is known to have run: its fingerprint, its first collective."""
+
+    fingerprint: int
+    first: FirstCollective
+
+
+# Per process group: the *agreed* layout and the *second* one (or None): the last two layouts
+# every rank is known to have run together. Identical on every rank, as they change only after a
+# collective verdict (see ``agree``); kept apart from the plan cache, whose evictions are per
+# rank. Weakly keyed: a destroyed group's state goes with it.
+_AGREED: weakref.WeakKeyDictionary[Any, tuple[Agreed, Agreed | None]] = weakref.WeakKeyDictionary()
+
+
+def probe(plan: Plan, group: Any) -> tuple[torch.Tensor, Any]:
     """Start this call's cross-rank check: the fingerprint and its negation, MAX-reduced."""
-    t = torch.tensor([plan.fingerprint, -plan.fingerprint], device=_comm_device(group))
+    t = torch.tensor([plan.fingerprint, -plan.fingerprint], device=comm_device(group))
     return t, dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group, async_op=True)
 
 
-def verify(plan: _Plan, probe: tuple[torch.Tensor, Any], tree: Any, group: Any, fn: str) -> None:
-    """Finish the check started by ``probe``: ``ValueError`` on every rank if layouts differ."""
-    t, work = probe
+def verify(
+    plan: Plan, started: tuple[torch.Tensor, Any], tree: TensorTree, group: Any, caller: str
+) -> None:
+    """Finish the check ``probe`` started: ``ValueError`` on every rank if layouts differ."""
+    t, work = started
     work.wait()
     if int(t[0]) == plan.fingerprint and int(t[1]) == -plan.fingerprint:
         return
     # Every rank saw the difference, so every rank takes this slower path together.
-    mismatch(plan, tree, group, fn)
+    mismatch(plan, tree, group, caller)
 
 
-def mismatch(plan: _Plan, tree: Any, group: Any, fn: str) -> None:
+def mismatch(plan: Plan, tree: TensorTree, group: Any, caller: str) -> None:
     """Raise ``ValueError`` naming how the layouts differ; every rank calls it together."""
     try:
-        skeleton: bytes | None = pickle.dumps(optree.tree_map(_leaf_desc, tree))
+        skeleton: bytes | None = pickle.dumps(optree.tree_map(describe, tree))
     except Exception:  # a node type that does not pickle: compare the spec text only
         skeleton = None
     mine = (skeleton, plan.description)
-    everyone: list[Any] = [None] * _world(group)
+    everyone: list[Any] = [None] * world_size(group, caller)
     dist.all_gather_object(everyone, mine, group=group)
-    raise ValueError(f"{fn}: {_mismatch(everyone, plan.spec)}")
+    raise ValueError(f"{caller}: {_mismatch(everyone, plan.spec)}")
 
 
-def _leaf_desc(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"a tensor of shape {tuple(x.shape)} and dtype {x.dtype}"
-    return f"a leaf of type {type(x).__name__}"
-
-
-def _skeleton_describe(node: Any) -> str:
-    """A node of a pickled skeleton: tensors are already text, the rest as ``_tree`` says."""
+def _render(node: Any) -> str:
+    """A node of a received skeleton: its leaves are already text, the rest as ``describe`` says."""
     return node if isinstance(node, str) else describe(node)
 
 
@@ -83,7 +87,10 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
             where = None
             if everyone[0][0] is not None and skeleton is not None:
                 at, mine, theirs = structure_difference(
-                    pickle.loads(everyone[0][0]), pickle.loads(skeleton), _skeleton_describe
+                    pickle.loads(everyone[0][0]),
+                    pickle.loads(skeleton),
+                    _render,
+                    namespace=NAMESPACE,
                 )
                 where = f"at {at}: {mine} on rank 0, {theirs} on rank {r}"
             return (
@@ -103,16 +110,16 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
         if slot_r != slot0:
             return (
                 "tied (aliased) leaves differ across ranks: the same tensor object sits at "
-                "different positions of the tree on rank 0 and on rank {r}"
+                f"different positions of the tree on rank 0 and on rank {r}"
             )
     return "the tree layout differs across ranks"  # pragma: no cover
 
 
-def _agree(plan: _Plan, tree: Any, group: Any, world: int, fn: str) -> bool:
+def agree(plan: Plan, tree: TensorTree, group: Any, world: int, caller: str) -> bool:
     """The cross-rank layout check before a call's first bucket; ``True``: the fast path.
 
     On the fast path (``plan`` is the group's agreed layout) nothing is sent
-    here: the first bucket carries flags ``[0, 1, 0]`` and ``_Reduction``
+    here: the first bucket carries flags ``[0, 1, 0]`` and ``Reduction``
     reads them back before the second bucket starts (or before returning).
     Any other call first *mirrors* the agreed layout's first collective (same
     size, dtype and op: zeros, then flags ``[1, 0, s]``, ``s`` 0 on the
@@ -133,21 +140,23 @@ def _agree(plan: _Plan, tree: Any, group: Any, world: int, fn: str) -> bool:
     speculates = plan.speculates(world)
     if state is not None:
         agreed, second = state
-        if speculates and agreed[0] == plan.fingerprint:
+        if speculates and agreed.fingerprint == plan.fingerprint:
             return True
-        numel, dtype, device, red = agreed[1]
-        mirror = torch.zeros(numel, dtype=dtype, device=device)
-        on_second = speculates and second is not None and second[0] == plan.fingerprint
-        mirror[-_FLAGS] = 1
+        first = agreed.first
+        mirror = torch.zeros(first.numel, dtype=first.dtype, device=first.device)
+        on_second = speculates and second is not None and second.fingerprint == plan.fingerprint
+        mirror[-FLAGS] = 1
         mirror[-1] = 0 if on_second else 1
-        dist.all_reduce(mirror, op=red, group=group)
+        dist.all_reduce(mirror, op=first.op, group=group)
         if mirror[-2].item() != 0:  # someone ran the agreed layout
-            mismatch(plan, tree, group, fn)
+            mismatch(plan, tree, group, caller)
         if mirror[-1].item() == 0:  # everyone runs the second layout: the check is done
-            _AGREED[key] = (second, agreed)  # type: ignore[assignment]
+            assert second is not None
+            _AGREED[key] = (second, agreed)
             return False
-    verify(plan, probe(plan, group), tree, group, fn)
+    verify(plan, probe(plan, group), tree, group, caller)
     if speculates:
-        entry: _Agreed = (plan.fingerprint, plan.first)  # type: ignore[assignment]
+        assert plan.first is not None  # a plan that speculates has a first bucket
+        entry = Agreed(plan.fingerprint, plan.first)
         _AGREED[key] = (entry, state[0] if state is not None else None)
     return False

@@ -2,30 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import optree
 import torch
 import torch.distributed as dist
 
+from .._checks import check_choice, check_int, check_op, check_positive
 from .._pack import FlatPool
-from .agree import _agree, mismatch, probe, verify
-from .group import _not_transformed, _world
-from .pipeline import _Reduction
-from .plan import _check_args, _plan_for, _rebuild
+from .._typing import Compress, Op, TensorTree
+from .agree import agree, mismatch, probe, verify
+from .group import check_not_transformed, check_src, world_size
+from .pipeline import Reduction
+from .plan import COMPRESS, plan_for, rebuild_tree
 
-__all__ = ["all_reduce", "broadcast", "sync_buffers"]
+__all__ = ["all_reduce", "broadcast", "check_reduce_args", "reduce_tree", "sync_buffers"]
 
 
 def all_reduce(
-    tree: Any,
+    tree: TensorTree,
     *,
-    op: str = "mean",
+    op: Op = "mean",
     group: Any = None,
     bucket_cap_mb: float = 25.0,
-    compress: str | None = None,
+    compress: Compress = None,
     check: bool = True,
-) -> Any:
+) -> TensorTree:
     """A new tree whose tensor leaves are the sum or mean of ``tree``'s over the ranks of ``group``.
 
     Collective: every rank calls it, in the same order, with a tree of the
@@ -35,73 +37,135 @@ def all_reduce(
     at the end. ``compress="bf16"`` or ``"fp16"`` sends floating-point
     buckets in that dtype (divided by the world size first for ``"mean"``,
     as DDP's compression hooks) and returns leaves in their own dtype.
-    ``op="mean"`` needs floating-point or complex leaves (``TypeError``
-    naming the path otherwise); boolean leaves reduce with ``op="sum"`` to
-    their logical or. Non-tensor leaves pass through by reference; a tensor
-    at several positions is reduced once and stays one object.
+    Boolean leaves reduce with ``op="sum"`` to their logical or. Non-tensor
+    leaves pass through by reference; a tensor at several positions is
+    reduced once and stays one object. ``tree`` is never modified, and never
+    used as the reduction buffer.
 
-    Each call checks the layout across ranks (``check=False`` skips it):
-    trees that differ in structure, shape or dtype, or calls with different
-    options, raise ``ValueError`` naming the difference on every rank. On
-    the layout the group agreed on last, the check rides in the first
-    bucket; switching back to the one before costs one small extra
-    collective, a new layout two. ``tree`` is never modified, and
-    never used as the reduction buffer. Without an initialised process
-    group, or with one rank, ``tree`` itself is returned.
+    Each call checks the layout across ranks: trees that differ in
+    structure, shape or dtype, or calls with different options, raise
+    ``ValueError`` naming the difference on every rank. On the layout the
+    group agreed on last, the check rides in the first bucket; switching
+    back to the one before costs one small extra collective, a new layout two.
 
-    >>> g = {"w": torch.ones(2, 2), "step": 3}
-    >>> fr.distributed.all_reduce(g) is g  # no process group here: unchanged
-    True
+    Args:
+        tree: the tree to reduce; its tensor leaves may lie on several devices.
+        op: ``"mean"`` (DDP's) or ``"sum"``.
+        group: the process group (default: the default group).
+        bucket_cap_mb: the most megabytes a bucket holds.
+        compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
+            that dtype, ``None`` to send them as they are.
+        check: ``False`` skips the cross-rank layout check.
+
+    Returns:
+        The reduced tree; ``tree`` itself without an initialised process group,
+        with one rank, or on a rank outside ``group`` (with a warning).
+
+    Raises:
+        TypeError: ``op="mean"`` on an integer or bool leaf, or a leaf that
+            cannot be packed (naming its path); a bad ``bucket_cap_mb`` or
+            ``group`` type.
+        ValueError: a bad ``op``, ``compress`` or ``bucket_cap_mb``; trees
+            or options that differ across ranks (on every rank).
+        RuntimeError: under a ``torch.func`` transform; several processes
+            launched but no process group initialised.
+
+    Examples:
+        >>> g = {"w": torch.ones(2, 2), "step": 3}
+        >>> fr.distributed.all_reduce(g) is g  # no process group here: unchanged
+        True
     """
-    fn = "fr.distributed.all_reduce"
-    _check_args(fn, op, compress)
-    world = _world(group)
-    if world == 1:
+    caller = "fr.distributed.all_reduce"
+    check_reduce_args(caller, op, bucket_cap_mb, compress)
+    world = world_size(group, caller)
+    if world <= 1:
         return tree
-    _not_transformed(fn)
-    plan, leaves = _plan_for(tree, fn, op, bucket_cap_mb, compress, None)
+    check_not_transformed(caller)
+    return reduce_tree(tree, caller, op, group, world, bucket_cap_mb, compress, check)
+
+
+def check_reduce_args(caller: str, op: Any, bucket_cap_mb: Any, compress: Any) -> None:
+    """The checks of a reduction's options, before anything else (with or without a group)."""
+    check_op(caller, op)
+    check_positive(caller, "bucket_cap_mb", bucket_cap_mb)
+    check_choice(caller, "compress", compress, tuple(COMPRESS))
+
+
+def reduce_tree(
+    tree: TensorTree,
+    caller: str,
+    op: Op,
+    group: Any,
+    world: int,
+    bucket_cap_mb: float,
+    compress: Compress,
+    check: bool,
+) -> TensorTree:
+    """``all_reduce`` on checked options over ``world`` > 1 ranks; errors name ``caller``."""
+    plan, leaves = plan_for(tree, caller, op, bucket_cap_mb, compress, None)
     if not plan.unique:  # nothing to reduce; the check still catches a rank that has tensors
         if check:
-            _agree(plan, tree, group, world, fn)
+            agree(plan, tree, group, world, caller)
         return tree
     with plan.lock:
-        fast = check and _agree(plan, tree, group, world, fn)
-        poisoned = (lambda: mismatch(plan, tree, group, fn)) if fast else None
-        red = _Reduction(plan, op, group, world, poisoned)
+        fast = check and agree(plan, tree, group, world, caller)
+        poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
+        red = Reduction(plan, op, group, world, poisoned)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
         staged = [red.stage(b, plan.parts(b, tensors)) for b in range(len(plan.buckets))]
         for st in staged:
             red.start(st)
-        return red.finish(lambda results: _rebuild(plan, leaves, results))
+        return red.finish(lambda results: rebuild_tree(plan, leaves, results))
 
 
-def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True) -> Any:
+def broadcast(
+    tree: TensorTree, *, src: int = 0, group: Any = None, check: bool = True
+) -> TensorTree:
     """A new tree whose tensor leaves equal rank ``src``'s; the input is unchanged.
 
     The initial sync DDP does at construction (and, for buffers, at every
     forward). Collective, coalesced as ``all_reduce``, with the cross-rank
-    check (here one tiny collective on every call). ``src`` is a global
-    rank. On rank ``src`` the result holds the given tensors themselves
-    (their values are the answer); on the others fresh tensors. Without an
-    initialised process group, or with one rank, ``tree`` itself is returned.
+    check (here one tiny collective on every call). On rank ``src`` the
+    result holds the given tensors themselves (their values are the
+    answer); on the others fresh tensors.
 
-    >>> s = fr.state(nn.Linear(2, 2))
-    >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
-    True
+    Args:
+        tree: the tree to send (on ``src``) or to receive into (elsewhere:
+            its layout, not its values, matters).
+        src: the global rank whose values every rank gets; a rank of ``group``.
+        group: the process group (default: the default group).
+        check: ``False`` skips the cross-rank layout check.
+
+    Returns:
+        The tree of ``src``'s values; ``tree`` itself without an initialised
+        process group, with one rank, or on a rank outside ``group``.
+
+    Raises:
+        TypeError: ``src`` is not an int; a bad ``group``.
+        ValueError: ``src`` is not a rank of ``group``; trees that differ
+            across ranks (on every rank).
+        RuntimeError: under a ``torch.func`` transform; several processes
+            launched but no process group initialised.
+
+    Examples:
+        >>> s = fr.state(nn.Linear(2, 2))
+        >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
+        True
     """
-    fn = "fr.distributed.broadcast"
-    world = _world(group)
-    if world == 1:
+    return _broadcast(tree, "fr.distributed.broadcast", src, group, check)
+
+
+def _broadcast(tree: TensorTree, caller: str, src: Any, group: Any, check: bool) -> TensorTree:
+    world = world_size(group, caller)
+    if world <= 1:
+        check_int(caller, "src", src)
         return tree
-    _not_transformed(fn)
-    if not 0 <= src < dist.get_world_size():
-        raise ValueError(
-            f"{fn}: src={src} is not a rank of the default group (0..{dist.get_world_size() - 1})"
-        )
-    plan, leaves = _plan_for(tree, fn, "sum", 25.0, None, src)
+    check_not_transformed(caller)
+    check_src(caller, src, group)
+    plan, leaves = plan_for(tree, caller, "sum", 25.0, None, src)
     if not plan.unique:  # nothing to send; the check still catches a rank that has tensors
         if check:
-            verify(plan, probe(plan, group), tree, group, fn)
+            verify(plan, probe(plan, group), tree, group, caller)
         return tree
     root = dist.get_rank() == src
     with plan.lock:
@@ -114,7 +178,7 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
                 bucket.results.pack(runs, plan.parts(b, tensors))
             staged.append((flat, runs))
         if pending_check is not None:
-            verify(plan, pending_check, tree, group, fn)
+            verify(plan, pending_check, tree, group, caller)
         pending = [
             (runs, dist.broadcast(flat, src=src, group=group, async_op=True))
             for flat, runs in staged
@@ -126,10 +190,16 @@ def broadcast(tree: Any, *, src: int = 0, group: Any = None, check: bool = True)
                 views += FlatPool.views(runs)
     if root:  # a new tree holding the given tensors: their values are the answer
         return optree.tree_unflatten(plan.spec, leaves)
-    return _rebuild(plan, leaves, plan.reorder(views))
+    return rebuild_tree(plan, leaves, plan.reorder(views))
 
 
-def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: Any = None) -> Any:
+def sync_buffers(
+    buffers: TensorTree,
+    *,
+    mode: Literal["broadcast", "mean"] = "broadcast",
+    src: int = 0,
+    group: Any = None,
+) -> TensorTree:
     """Make buffers (BatchNorm statistics ...) agree across ranks; the explicit buffer policy.
 
     ``mode="broadcast"``: every rank gets rank ``src``'s buffers, what
@@ -140,17 +210,32 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
     (``num_batches_tracked``) are broadcast from ``src``. The composable
     ``replicate`` never syncs buffers: not calling this matches it.
 
-    >>> b = fr.state(nn.BatchNorm1d(3)).buffers
-    >>> fr.distributed.sync_buffers(b, mode="mean") is b  # no process group here
-    True
+    Args:
+        buffers: the buffers, e.g. ``fr.state(module).buffers``.
+        mode: ``"broadcast"`` or ``"mean"``.
+        src: the global rank whose buffers are broadcast.
+        group: the process group (default: the default group).
+
+    Returns:
+        The synced buffers; ``buffers`` itself without an initialised
+        process group or with one rank.
+
+    Raises:
+        ValueError: a bad ``mode`` or ``src``; buffers that differ across ranks.
+
+    Examples:
+        >>> b = fr.state(nn.BatchNorm1d(3)).buffers
+        >>> fr.distributed.sync_buffers(b, mode="mean") is b  # no process group here
+        True
     """
-    fn = "fr.distributed.sync_buffers"
+    caller = "fr.distributed.sync_buffers"
+    check_choice(caller, "mode", mode, ("broadcast", "mean"))
     if mode == "broadcast":
-        return broadcast(buffers, src=src, group=group)
-    if mode != "mean":
-        raise ValueError(f"{fn}: mode must be 'broadcast' or 'mean', got {mode!r}")
-    if _world(group) == 1:
+        return _broadcast(buffers, caller, src, group, True)
+    world = world_size(group, caller)
+    if world <= 1:
         return buffers
+    check_not_transformed(caller)
     floating = optree.tree_map(
         lambda x: x if isinstance(x, torch.Tensor) and x.is_floating_point() else None,
         buffers,
@@ -161,6 +246,6 @@ def sync_buffers(buffers: Any, *, mode: str = "broadcast", src: int = 0, group: 
         buffers,
         none_is_leaf=True,
     )
-    means = all_reduce(floating, op="mean", group=group)
-    synced = broadcast(others, src=src, group=group)
+    means = reduce_tree(floating, caller, "mean", group, world, 25.0, None, True)
+    synced = _broadcast(others, caller, src, group, True)
     return optree.tree_map(lambda m, s: s if m is None else m, means, synced, none_is_leaf=True)

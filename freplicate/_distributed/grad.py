@@ -12,11 +12,12 @@ import torch
 from .._grad import detached, gradients, split_output
 from .._grad import grad_and_value as _local_grad_and_value
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
-from .agree import _agree, mismatch
-from .collectives import all_reduce
-from .group import _not_transformed, _world
-from .pipeline import _Reduction
-from .plan import _Bucket, _check_args, _Plan, _plan_for, _rebuild
+from .._typing import Compress, Op, TensorTree
+from .agree import agree, mismatch
+from .collectives import check_reduce_args, reduce_tree
+from .group import check_not_transformed, world_size
+from .pipeline import Reduction
+from .plan import Bucket, Plan, plan_for, rebuild_tree
 
 __all__ = ["grad_and_value"]
 
@@ -35,7 +36,7 @@ class _DiffLayout:
 
     __slots__ = ("leaves", "segments", "spans")
 
-    def __init__(self, buckets: Sequence[_Bucket], stack: bool) -> None:
+    def __init__(self, buckets: Sequence[Bucket], stack: bool) -> None:
         groups: list[list[int]] = []
         self.spans: list[range] = []
         self.segments: list[list[int]] = []
@@ -68,7 +69,7 @@ class _DiffLayout:
         return parts
 
 
-def _diff_layout(plan: _Plan, stack: bool) -> _DiffLayout:
+def _diff_layout(plan: Plan, stack: bool) -> _DiffLayout:
     layout = plan.diff.get(stack)
     if layout is None:
         layout = plan.diff[stack] = _DiffLayout(plan.buckets, stack)
@@ -78,12 +79,12 @@ def _diff_layout(plan: _Plan, stack: bool) -> _DiffLayout:
 def grad_and_value(
     fn: Callable[..., Any],
     *,
-    op: str = "mean",
+    op: Op = "mean",
     group: Any = None,
     bucket_cap_mb: float = 25.0,
     has_aux: bool = False,
     argnums: int = 0,
-    compress: str | None = None,
+    compress: Compress = None,
     check: bool = True,
 ) -> Callable[..., tuple[Any, Any]]:
     """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
@@ -98,38 +99,54 @@ def grad_and_value(
     buckets start when it ends, always in the same order on every rank.
     No module is touched and no hook outlives the call. When an input
     already carries an autograd graph, it computes ``fr.grad_and_value``
-    then ``all_reduce``. Collectives cannot run under a ``torch.func``
-    transform: there it raises ``RuntimeError`` (as ``all_reduce`` and
-    ``broadcast`` do).
+    then ``all_reduce``.
 
-    >>> w = {"a": torch.tensor(2.0)}
-    >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
-    >>> g(w, torch.tensor(3.0))  # no process group here: the local gradient
-    ({'a': tensor(3.)}, tensor(6.))
+    Args:
+        fn: ``fn(*args) -> loss`` (a scalar tensor), or ``(loss, aux)`` with
+            ``has_aux``.
+        op: ``"mean"`` (DDP's) or ``"sum"``.
+        group: the process group (default: the default group).
+        bucket_cap_mb: the most megabytes a bucket holds.
+        has_aux: whether ``fn`` returns ``(loss, aux)``.
+        argnums: which positional argument is differentiated (a tree of tensors).
+        compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
+            that dtype.
+        check: ``False`` skips the cross-rank layout check.
+
+    Returns:
+        ``g(*args) -> (grads, value)``.
+
+    Raises:
+        TypeError: ``fn`` is not callable; ``argnums`` is not an int; bad options.
+        ValueError: bad options (at once); trees that differ across ranks (on
+            every rank, when ``g`` runs).
+        RuntimeError: ``g`` runs under a ``torch.func`` transform, where
+            collectives cannot run.
+
+    Examples:
+        >>> w = {"a": torch.tensor(2.0)}
+        >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
+        >>> g(w, torch.tensor(3.0))  # no process group here: the local gradient
+        ({'a': tensor(3.)}, tensor(6.))
     """
-    name = "fr.distributed.grad_and_value"
-    _check_args(name, op, compress)
-    if not isinstance(argnums, int):
-        raise TypeError(f"{name}: argnums must be an int, got {argnums!r}")
+    caller = "fr.distributed.grad_and_value"
+    if not callable(fn):
+        raise TypeError(f"{caller}: fn must be callable, got {type(fn).__name__}")
+    check_reduce_args(caller, op, bucket_cap_mb, compress)
+    if isinstance(argnums, bool) or not isinstance(argnums, int):
+        raise TypeError(f"{caller}: argnums must be an int, got {argnums!r}")
     local = _local_grad_and_value(fn, argnums=argnums, has_aux=has_aux)
 
-    def reduce(grads: Any) -> Any:
-        return all_reduce(
-            grads, op=op, group=group, bucket_cap_mb=bucket_cap_mb, compress=compress, check=check
-        )
-
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        world = _world(group)
-        if world == 1:
+        world = world_size(group, caller)
+        if world <= 1:
             return local(*args, **kwargs)
-        _not_transformed(name)
+        check_not_transformed(caller)
         if not -len(args) <= argnums < len(args):
             return local(*args, **kwargs)  # let fr.grad_and_value raise its error
         n = argnums % len(args)
         tree = args[n]
-        plan, leaves = _plan_for(
-            tree, "fr.distributed.all_reduce", op, bucket_cap_mb, compress, None
-        )
+        plan, leaves = plan_for(tree, caller, op, bucket_cap_mb, compress, None)
         rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
         if (
             not plan.bare  # non-tensor or tied leaves: let fr.grad_and_value deal with them
@@ -138,13 +155,14 @@ def grad_and_value(
         ):
             # an outer autograd graph, which torch.func keeps: its gradient, then reduce
             grads, value = local(*args, **kwargs)
-            return reduce(grads), value
+            reduced = reduce_tree(grads, caller, op, group, world, bucket_cap_mb, compress, check)
+            return reduced, value
         with plan.lock:
             # a rank off the agreed layout mirrors it (and checks) before its forward pass
-            fast = check and _agree(plan, tree, group, world, name)
-            poisoned = (lambda: mismatch(plan, tree, group, name)) if fast else None
+            fast = check and agree(plan, tree, group, world, caller)
+            poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
             return _overlapped(
-                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, name
+                fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, caller
             )
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
@@ -158,14 +176,14 @@ def _overlapped(
     kwargs: dict[str, Any],
     argnums: int,
     has_aux: bool,
-    plan: _Plan,
+    plan: Plan,
     leaves: list[Any],
-    op: str,
+    op: Op,
     group: Any,
     world: int,
     poisoned: Callable[[], None] | None,
-    name: str,
-) -> tuple[Any, Any]:
+    caller: str,
+) -> tuple[TensorTree, Any]:
     """The backward pass with each bucket's all-reduce launched from gradient hooks.
 
     On the fast path of the layout check (``poisoned`` given), the first
@@ -181,7 +199,7 @@ def _overlapped(
     diff, fresh = made
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
-    red = _Reduction(plan, op, group, world, poisoned)
+    red = Reduction(plan, op, group, world, poisoned)
     nb = len(plan.buckets)
     ready: list[list[torch.Tensor | None]] = [[None] * len(span) for span in layout.spans]
     missing = [len(span) for span in layout.spans]
@@ -208,7 +226,7 @@ def _overlapped(
             handles.append(diff[d].register_hook(hook_for(b, j)))
     try:
         with torch.enable_grad():
-            value, aux = split_output(fn(*new_args, **kwargs), has_aux, name)
+            value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
             grads = gradients(value, diff)
     finally:
         for h in handles:
@@ -218,5 +236,5 @@ def _overlapped(
         span = layout.spans[b]
         red.launch(b, layout.parts(b, grads[span.start : span.stop]))
     rest = detached(value, aux, has_aux)  # while the buckets are in flight
-    grads_tree = red.finish(lambda results: _rebuild(plan, leaves, results))
+    grads_tree = red.finish(lambda results: rebuild_tree(plan, leaves, results))
     return grads_tree, rest

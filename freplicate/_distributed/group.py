@@ -1,32 +1,103 @@
-"""The process group a call runs on: its size, the device its collectives use, transforms."""
+"""The process group a call runs on: its size, its ranks, the device its collectives use.
+
+Every public function asks ``world_size`` first: it validates ``group``, says
+how many ranks take part (1 without a process group: nothing to do; 0 on a
+rank outside ``group``, which, as with torch's own collectives, does nothing
+and is warned), and refuses to train each rank alone when a launcher started
+several processes but no process group was initialised.
+"""
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .._checks import check_int
 from .._torch import transform_level
 
+__all__ = ["check_not_transformed", "check_src", "comm_device", "world_size"]
 
-def _world(group: Any) -> int:
-    """Size of ``group``; 1 when torch.distributed is unavailable or not initialised."""
-    if not (dist.is_available() and dist.is_initialized()):
+# what ``dist.new_group`` hands a rank that is not in the group
+_NOT_A_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
+
+
+def world_size(group: Any, caller: str) -> int:
+    """How many ranks ``group`` has: 1 without a process group, 0 on a rank outside it.
+
+    Raises:
+        TypeError: ``group`` is not a process group.
+        RuntimeError: the environment names several processes (``WORLD_SIZE``
+            > 1, as ``torchrun`` sets it) but no process group was initialised.
+    """
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is None:
+        if initialised:
+            return dist.get_world_size()
+        _check_launcher(caller)
+        return 1
+    if group is _NOT_A_MEMBER or (isinstance(group, int) and group == _NOT_A_MEMBER):
+        warnings.warn(
+            f"{caller}: this rank is not in the given process group; the call does nothing "
+            "and returns the tree unchanged (as torch.distributed's collectives do)",
+            stacklevel=3,
+        )
+        return 0
+    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+        raise TypeError(
+            f"{caller}: group must be a torch.distributed process group (e.g. from "
+            f"dist.new_group) or None for the default group, got {group!r} of type "
+            f"{type(group).__name__}"
+        )
+    if not initialised:
+        _check_launcher(caller)
         return 1
     return dist.get_world_size(group)
 
 
-def _comm_device(group: Any) -> torch.device:
+def _check_launcher(caller: str) -> None:
+    size = os.environ.get("WORLD_SIZE", "1")
+    if size.isdigit() and int(size) > 1:
+        raise RuntimeError(
+            f"{caller}: WORLD_SIZE={size} in the environment (a launcher such as torchrun "
+            "started several processes) but no torch.distributed process group is "
+            "initialised, so each rank would train alone; call "
+            "torch.distributed.init_process_group() first (backend 'gloo' on CPU, 'nccl' on CUDA)"
+        )
+
+
+def check_src(caller: str, src: Any, group: Any) -> int:
+    """``src`` if it is a global rank of ``group``, else an error naming the group's ranks."""
+    check_int(caller, "src", src)
+    if group is None:
+        ranks = list(range(dist.get_world_size()))
+        where = "the default group"
+    else:
+        ranks = dist.get_process_group_ranks(group)
+        where = "the given group"
+    if src not in ranks:
+        raise ValueError(
+            f"{caller}: src={src} is not a rank of {where} (its global ranks are {ranks}); "
+            "src is a global rank"
+        )
+    return src
+
+
+def comm_device(group: Any) -> torch.device:
+    """The device a collective's small tensors live on: the current CUDA device for NCCL."""
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _not_transformed(fn: str) -> None:
+def check_not_transformed(caller: str) -> None:
+    """``RuntimeError`` under a ``torch.func`` transform, where no collective can run."""
     if transform_level() is not None:
         raise RuntimeError(
-            f"{fn}: cannot run under a torch.func transform (vmap, grad, jvp ...): "
+            f"{caller}: cannot run under a torch.func transform (vmap, grad, jvp ...): "
             "torch.distributed collectives have no batching or differentiation rule; call "
             "fr.grad_and_value inside the transform and fr.distributed.all_reduce outside it"
         )

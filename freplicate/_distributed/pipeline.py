@@ -9,16 +9,19 @@ import torch
 import torch.distributed as dist
 
 from .._pack import FlatPool
-from .plan import _FLAGS, _Plan
+from .._typing import Op, TensorTree
+from .plan import FLAGS, Plan
+
+__all__ = ["Reduction"]
 
 
-class _Reduction:
+class Reduction:
     """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
 
     __slots__ = ("group", "launched", "op", "pending", "plan", "poisoned", "world")
 
     def __init__(
-        self, plan: _Plan, op: str, group: Any, world: int, poisoned: Callable[[], None] | None
+        self, plan: Plan, op: Op, group: Any, world: int, poisoned: Callable[[], None] | None
     ) -> None:
         self.plan = plan
         self.op = op
@@ -42,7 +45,7 @@ class _Reduction:
             comm, comm_runs = bucket.comm.take()
             bucket.comm.pack(comm_runs, parts, div=div)
         if bucket.clear is not None:
-            comm[-_FLAGS:].copy_(bucket.clear)
+            comm[-FLAGS:].copy_(bucket.clear)
         return runs, comm, res, bucket.red
 
     def start(self, staged: tuple[Any, ...]) -> None:
@@ -58,13 +61,13 @@ class _Reduction:
         poisoned, self.poisoned = self.poisoned, None
         _, comm, _, work = self.pending[0]
         work.wait()
-        if poisoned is not None and comm[-_FLAGS].item() != 0:
+        if poisoned is not None and comm[-FLAGS].item() != 0:
             poisoned()  # a rank mirrored the agreed layout: it runs another one
 
     def launch(self, b: int, parts: Sequence[Any]) -> None:
         self.start(self.stage(b, parts))
 
-    def finish(self, build: Callable[[Sequence[torch.Tensor]], Any]) -> Any:
+    def finish(self, build: Callable[[Sequence[torch.Tensor]], TensorTree]) -> TensorTree:
         """``build`` of the results (one per unique tensor of the plan), returned once all landed.
 
         The results are views of the buckets' result buffers; the pools

@@ -18,37 +18,53 @@ import hashlib
 import operator
 import threading
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 
+from .._checks import check_mean
 from .._pack import FlatPool, buckets, check_packable, group_by
-from .._tree import LazyPaths, flatten_in_order, picker, tensor_values
+from .._tree import LazyPaths, alias_groups, flatten_in_order, picker, rebuild, tensor_values
+from .._typing import Compress, Op, TensorTree
 
 if TYPE_CHECKING:
     from .grad import _DiffLayout
 
-_OPS = ("sum", "mean")
-_COMPRESS = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["COMPRESS", "FLAGS", "Bucket", "FirstCollective", "Plan", "plan_for", "rebuild_tree"]
+
+COMPRESS: dict[Compress, torch.dtype | None] = {
+    None: None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}
 _PLAN_CACHE_SIZE = 16
 # DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so it starts early in the
-# backward pass, and the layout check it carries (``_agree``) is read back soon and cheaply.
+# backward pass, and the layout check it carries (``agree``) is read back soon and cheaply.
 _FIRST_BUCKET_BYTES = 1024 * 1024
-# The layout check's trailing elements of a plan's first bucket (see ``_agree``): [off the agreed
+# The layout check's trailing elements of a plan's first bucket (see ``agree``): [off the agreed
 # layout, on it, off the second layout]. Each sums up to the world size; only "> 0" is read.
-_FLAGS = 3
+FLAGS = 3
 
 
-class _Bucket:
+class FirstCollective(NamedTuple):
+    """A plan's first collective, which a rank on another layout mirrors (``agree``)."""
+
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+    op: Any  # a dist.ReduceOp
+
+
+class Bucket:
     """One bucket of a plan: which tensors it holds, and its reusable flat buffers.
 
     ``results`` holds buffers in the leaves' dtype, reduced in place and
     handed out as views (reused once those views are gone); ``comm``, only
     where the bucket travels in another dtype (compression, booleans), is
     the plan's private buffer in that dtype. The plan's first bucket has
-    ``extra=_FLAGS`` spare elements at the end of both: the layout check's flags.
+    ``extra=FLAGS`` spare elements at the end of both: the layout check's flags.
     """
 
     __slots__ = (
@@ -89,13 +105,13 @@ class _Bucket:
             if comm_dtype != first.dtype
             else None
         )
-        # the flags of a call on the fast path (``_agree``): on the agreed layout
+        # the flags of a call on the fast path (``agree``): on the agreed layout
         self.clear = (
             torch.tensor([0, 1, 0], dtype=comm_dtype, device=first.device) if extra else None
         )
 
 
-class _Plan:
+class Plan:
     """What one tree layout needs: deduplication, buckets, and the cross-rank fingerprint."""
 
     def __init__(
@@ -104,8 +120,8 @@ class _Plan:
         leaves: Sequence[Any],
         unique: list[int],
         slot: list[int] | None,
-        fn: str,
-        op: str,
+        caller: str,
+        op: Op,
         cap_bytes: int,
         compress: torch.dtype | None,
         options: tuple[Any, ...],
@@ -113,20 +129,15 @@ class _Plan:
         self.spec = spec
         self.unique = unique
         self.slot = slot
-        self.lock = threading.RLock()  # fn may itself reduce a tree of this layout
+        self.lock = threading.RLock()  # a user's fn may itself reduce a tree of this layout
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
-        check_packable(tensors, range(len(tensors)), paths, caller=fn)
+        check_packable(tensors, range(len(tensors)), paths, caller=caller)
         if op == "mean":
-            for k, t in enumerate(tensors):
-                if not (t.is_floating_point() or t.is_complex()):
-                    raise TypeError(
-                        f"{fn}: op='mean' needs floating-point or complex leaves, but the leaf at "
-                        f"{paths[k]} has dtype {t.dtype}; use op='sum' or convert it"
-                    )
+            check_mean(caller, tensors, paths)
         # DDP's order: the last parameters' gradients are ready first.
         order = list(range(len(tensors)))[::-1]
-        self.buckets: list[_Bucket] = []
+        self.buckets: list[Bucket] = []
         groups = group_by([tensors[k] for k in order], lambda t: (t.device, t.dtype))
         for (_, dtype), positions in groups.items():
             members = [order[p] for p in positions]
@@ -145,8 +156,8 @@ class _Plan:
                 # equal shapes side by side: one stack packs them, one unbind views them back
                 by_shape = group_by([tensors[members[r]] for r in run], lambda t: t.shape)
                 ids = [members[run[p]] for same in by_shape.values() for p in same]
-                extra = 0 if self.buckets else _FLAGS
-                self.buckets.append(_Bucket(ids, [tensors[k] for k in ids], comm, extra=extra))
+                extra = 0 if self.buckets else FLAGS
+                self.buckets.append(Bucket(ids, [tensors[k] for k in ids], comm, extra=extra))
         # results come out bucket by bucket; this puts them back in the order of the tensors
         where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
         inverse = [where[k] for k in range(len(tensors))]
@@ -157,11 +168,10 @@ class _Plan:
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
         self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
         self.diff: dict[bool, _DiffLayout] = {}  # grad_and_value's, built on first use
-        # what a rank on another layout needs to mirror this plan's first collective (``_agree``)
-        self.first: tuple[int, torch.dtype, torch.device, Any] | None = None
+        self.first: FirstCollective | None = None
         if self.buckets:
             b0 = self.buckets[0]
-            self.first = (b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
+            self.first = FirstCollective(b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
 
     def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
         """Bucket ``b``'s tensors out of ``tensors`` (one per unique tensor), one list per run."""
@@ -173,23 +183,33 @@ class _Plan:
         A flag slot sums up to ``world``: it must not wrap round to 0 in a
         byte-sized integer bucket (bool buckets reduce with MAX: no sum).
         """
-        if self.first is None:
+        first = self.first
+        if first is None:
             return False
-        _, dtype, _, red = self.first
-        return dtype.itemsize > 1 or red == dist.ReduceOp.MAX or world < 256
+        return first.dtype.itemsize > 1 or first.op == dist.ReduceOp.MAX or world < 256
 
 
-_PLANS: dict[Any, _Plan] = {}
+_PLANS: dict[Any, Plan] = {}
 _SIG = operator.attrgetter("shape", "dtype", "device")
 _DICT = object()  # marks a plan key made from a plain dict's keys (``tensor_values``)
 _PLANS_LOCK = threading.Lock()
 
 
-def _plan_for(
-    tree: Any, fn: str, op: str, cap_mb: float, compress: str | None, src: int | None
-) -> tuple[_Plan, list[Any]]:
-    """The cached plan of ``tree``'s layout with these options, and the tree's leaves."""
-    options = (fn, op, cap_mb, compress, src)
+def plan_for(
+    tree: TensorTree,
+    caller: str,
+    op: Op,
+    cap_mb: float,
+    compress: Compress,
+    src: int | None,
+) -> tuple[Plan, list[Any]]:
+    """The cached plan of ``tree``'s layout with these options, and the tree's leaves.
+
+    Plans are shared by every public function (``caller`` names the one that
+    builds it, in its errors): ``grad_and_value``'s gradients and
+    ``all_reduce``'s trees of one layout have one plan, and one pool.
+    """
+    options = (op, cap_mb, compress, src)
     slot: list[int] | None = None
     unique: list[int]
     values = tensor_values(tree)
@@ -213,32 +233,21 @@ def _plan_for(
                 return plan, leaves
             unique = list(range(len(leaves)))
         else:  # non-tensor leaves, or a tensor at several positions (tied weights)
-            unique, slot = [], []
-            seen: dict[int, int] = {}
-            for i, x in enumerate(leaves):
-                if isinstance(x, torch.Tensor):
-                    pos = seen.setdefault(id(x), len(unique))
-                    if pos == len(unique):
-                        unique.append(i)
-                    slot.append(pos)
-                else:
-                    slot.append(-1)
+            unique, slot = alias_groups(leaves)
             key = (spec, tuple(_SIG(leaves[i]) for i in unique), tuple(slot), options)
             plan = _PLANS.get(key)
             if plan is not None:
                 return plan, leaves
-    if cap_mb <= 0:
-        raise ValueError(f"{fn}: bucket_cap_mb must be positive, got {cap_mb}")
-    plan = _Plan(
+    plan = Plan(
         spec,
         leaves,
         unique,
         slot,
-        fn,
+        caller,
         op,
         max(1, int(cap_mb * 1024 * 1024)),
-        _COMPRESS[compress],
-        (op, cap_mb, compress, src),
+        COMPRESS[compress],
+        options,
     )
     with _PLANS_LOCK:
         _PLANS[key] = plan
@@ -247,23 +256,9 @@ def _plan_for(
     return plan, leaves
 
 
-def _rebuild(plan: _Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> Any:
+def rebuild_tree(plan: Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> TensorTree:
     """The tree of ``results`` (one per unique tensor), non-tensor leaves passed through."""
     if plan.bare:
         return optree.tree_unflatten(plan.spec, results)
-    out = list(leaves)
-    if plan.slot is None:
-        for i, r in zip(plan.unique, results):
-            out[i] = r
-    else:
-        for i, s in enumerate(plan.slot):
-            if s >= 0:
-                out[i] = results[s]
-    return optree.tree_unflatten(plan.spec, out)
-
-
-def _check_args(fn: str, op: str, compress: str | None) -> None:
-    if op not in _OPS:
-        raise ValueError(f"{fn}: op must be 'sum' or 'mean', got {op!r}")
-    if compress not in _COMPRESS:
-        raise ValueError(f"{fn}: compress must be None, 'bf16' or 'fp16', got {compress!r}")
+    assert plan.slot is not None  # a plan that is not bare has non-tensor or tied leaves
+    return rebuild(plan.spec, leaves, plan.slot, results)
