@@ -12,6 +12,7 @@ one ``torchrun`` would give.
 from __future__ import annotations
 
 import ast
+import inspect
 import re
 import sys
 import types
@@ -118,6 +119,43 @@ def test_collective_pages_run_on_two_ranks() -> None:
         if tb is not None
     }
     assert not failed, "\n".join(f"{k}:\n{tb}" for k, tb in failed.items())
+
+
+def prose(page: str) -> str:
+    """The page without its code blocks and its admonitions (which may name what is being built)."""
+    lines = (ROOT / page).read_text().splitlines()
+    for b in blocks(page):  # blank out the fenced blocks, fences included
+        end = b.line + b.code.count("\n")
+        lines[b.line - 1 : end + 1] = [""] * (end + 2 - b.line)
+    kept, in_admonition = [], False
+    for line in lines:
+        if line.startswith("!!!"):
+            in_admonition = True
+        elif in_admonition and line.strip() and not line.startswith((" ", "\t")):
+            in_admonition = False
+        kept.append("" if in_admonition else line)
+    return "\n".join(kept)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_the_prose_names_only_what_exists(page: str) -> None:
+    # `fr.name(...)` in the text: the name exists, and every keyword it shows is a parameter
+    import freplicate.testing  # noqa: F401  (fr.testing is imported on first use)
+
+    for span in re.findall(r"`([^`\n]+)`", prose(page)):
+        for name in re.findall(r"\bfr(?:\.\w+)+", span):
+            obj: object = fr
+            for part in name.split(".")[1:]:
+                assert hasattr(obj, part), f"{page}: `{span}` names {name}, which does not exist"
+                obj = getattr(obj, part)
+            call = re.match(rf"{re.escape(name)}\((.*)\)", span)
+            if not call or not callable(obj):
+                continue
+            params = inspect.signature(obj).parameters
+            if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+                continue
+            for keyword in re.findall(r"(?<![=\w.])(\w+)=(?!=)", call[1]):
+                assert keyword in params, f"{page}: `{span}`: {name} has no parameter {keyword!r}"
 
 
 def test_api_reference_names_every_public_name() -> None:
