@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from . import _caches
 from ._tree import picker
 
 __all__ = ["PLAIN", "STACK_NUMEL", "UNSTACKED", "Leaves", "leaves_for", "stack_groups"]
@@ -132,6 +133,7 @@ def _contiguous(tensors: Sequence[torch.Tensor]) -> bool:
 UNSTACKED = Leaves([])
 _LAYOUTS: dict[tuple[Any, ...], Leaves] = {}
 _LAYOUTS_LOCK = threading.Lock()
+_caches.register(_LAYOUTS.clear)
 
 
 def stack_groups(sigs: Sequence[tuple[torch.Size, torch.dtype, torch.device]]) -> list[list[int]]:
