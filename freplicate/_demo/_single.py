@@ -1,0 +1,311 @@
+"""The one-process paths: ``fr.data_parallel_grad`` beside DataParallel, and the compiled fr step.
+
+(a) The functional step replicates the parameters, scatters the batch with
+``torch.chunk`` semantics, takes every replica's gradient of its shard's
+mean loss and averages them (``op="mean"``), then applies AdamW as a tree
+map. Its stateful twin computes the same thing the stateful way: a module
+trained by ``torch.optim.AdamW`` whose gradient is the mean over the same
+``torch.chunk`` shards of each shard's mean loss, taken through
+``nn.DataParallel`` on distinct CUDA devices (a module that returns its own
+loss, so that the replicas' losses are gathered and averaged) and,
+elsewhere, through DataParallel's algorithm spelled out: a deep copy of the
+module per replica, each replica's loss, one backward through their mean,
+the replicas' gradients summed into the module. With uneven shards (64
+examples on 3 or 5 devices) that mean of shard means is not the full-batch
+gradient, and both sides compute it.
+
+(c) ``torch.compile`` of the whole functional step (gradient and AdamW
+update), beside the same step run eagerly in (a).
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import freplicate as fr
+
+from . import _adamw, _data
+from ._adamw import Tree
+from ._options import Options
+from ._progress import bar, say
+from ._record import Agreement, PathResult, Side, Tolerance
+
+COMPILE_LIMIT_S = 60.0
+
+Step = Callable[..., tuple[Tree, _adamw.AdamWState, Tree, torch.Tensor]]
+
+
+class Point(NamedTuple):
+    """The functional side after one step, kept for the compiled path to compare with."""
+
+    params: Tree
+    grads: Tree
+    loss: float
+
+
+def fr_step(module: nn.Module, devices: Sequence[str], lr: float) -> Step:
+    """``step(params, opt_state, x, y) -> (params, opt_state, grads, loss)``, all functional."""
+
+    def loss_fn(params: Tree, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.apply(module, fr.State(params, {}), x)
+        return F.cross_entropy(out, y)
+
+    grad_fn = fr.data_parallel_grad(loss_fn, list(devices))
+
+    def step(
+        params: Tree, opt_state: _adamw.AdamWState, x: torch.Tensor, y: torch.Tensor
+    ) -> tuple[Tree, _adamw.AdamWState, Tree, torch.Tensor]:
+        grads, loss = grad_fn(params, x, y)
+        params, opt_state = _adamw.update(params, grads, opt_state, lr=lr)
+        return params, opt_state, grads, loss
+
+    return step
+
+
+class _WithLoss(nn.Module):
+    """A module that returns its own loss, so that nn.DataParallel averages shard losses."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.model(x), y)
+
+
+def uses_data_parallel(devices: Sequence[str]) -> bool:
+    """nn.DataParallel itself needs 2 or more distinct CUDA devices."""
+    return all(d.startswith("cuda") for d in devices) and len(set(devices)) == len(devices) > 1
+
+
+def stateful_step(
+    module: nn.Module, opt: torch.optim.Optimizer, devices: Sequence[str]
+) -> Callable[[torch.Tensor, torch.Tensor], float]:
+    """The twin: one AdamW step of ``module`` on the mean of the shards' mean losses."""
+    if uses_data_parallel(devices):
+        dp = nn.DataParallel(_WithLoss(module), device_ids=[torch.device(d) for d in devices])
+
+        def dp_step(x: torch.Tensor, y: torch.Tensor) -> float:
+            opt.zero_grad(set_to_none=True)
+            with warnings.catch_warnings():
+                # "all input tensors were scalars": the replicas' losses, gathered as meant
+                warnings.simplefilter("ignore", UserWarning)
+                loss = dp(x, y).mean()
+            loss.backward()
+            opt.step()
+            return float(loss.detach())
+
+        return dp_step
+
+    def copies_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        xs, ys = x.chunk(len(devices)), y.chunk(len(devices))
+        replicas = [copy.deepcopy(module).to(d) for d in devices[: len(xs)]]
+        losses = [
+            F.cross_entropy(r(a.to(d)), b.to(d)) for r, a, b, d in zip(replicas, xs, ys, devices)
+        ]
+        loss = torch.stack([v.to(devices[0]) for v in losses]).mean()
+        loss.backward()
+        for name, p in module.named_parameters():  # DataParallel's reduce-add onto device 0
+            grads = [r.get_parameter(name).grad for r in replicas]
+            total = grads[0].to(p.device)  # type: ignore[union-attr]
+            for g in grads[1:]:
+                total = total + g.to(p.device)  # type: ignore[union-attr]
+            p.grad = total
+        opt.step()
+        return float(loss.detach())
+
+    return copies_step
+
+
+def accuracy(
+    module: nn.Module, params: Mapping[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor
+) -> float:
+    with torch.no_grad():
+        out, _ = fr.apply(module, fr.State({k: p.detach() for k, p in params.items()}, {}), x)
+    return float((out.argmax(1).cpu() == y).float().mean())
+
+
+def _since(start: float, devices: Sequence[str]) -> float:
+    """Seconds since ``start``, once the work queued on CUDA devices is done."""
+    if any(d.startswith("cuda") for d in devices):
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def data_parallel(
+    options: Options,
+    data: _data.Digits,
+    order: list[list[torch.Tensor]],
+    tol: Tolerance,
+    keep: bool,
+) -> tuple[PathResult, list[Point]]:
+    """Path (a); with ``keep``, also the functional side's every step for path (c)."""
+    devices = list(options.devices)
+    module = _data.model(options.model, dtype=options.torch_dtype).to(devices[0])
+    twin = copy.deepcopy(module)
+    twin_step = stateful_step(twin, torch.optim.AdamW(twin.parameters(), lr=options.lr), devices)
+    twin_params = dict(twin.named_parameters())
+    step = fr_step(module, devices, options.lr)
+    params = fr.state(module).params
+    opt_state = _adamw.init(params)
+    twin_name = "nn.DataParallel" if uses_data_parallel(devices) else "DataParallel's algorithm"
+    result = PathResult(
+        title=f"(a) fr.data_parallel_grad, {options.describe_devices()}",
+        twin_title=twin_name,
+        fr=Side("fr"),
+        twin=Side("stateful"),
+        agreement=Agreement(tol),
+    )
+    say(
+        f"(a) one process: fr.data_parallel_grad on {', '.join(devices)} + AdamW as tree maps, "
+        f"beside {twin_name}"
+        + ("" if uses_data_parallel(devices) else " (a deep copy of the model per replica)")
+        + " + torch.optim.AdamW"
+    )
+    x_test, y_test = data.x_test.to(devices[0]), data.y_test
+    points: list[Point] = []
+    progress = bar("(a) one process", sum(map(len, order)))
+    n = 0
+    try:
+        for epoch in order:
+            for idx in epoch:
+                x, y = data.x_train[idx].to(devices[0]), data.y_train[idx].to(devices[0])
+                start = time.perf_counter()
+                params, opt_state, grads, loss = step(params, opt_state, x, y)
+                result.fr.step_s.append(_since(start, devices))
+                start = time.perf_counter()
+                twin_loss = twin_step(x, y)
+                result.twin.step_s.append(_since(start, devices))
+                value = float(loss)
+                result.fr.losses.append(value)
+                result.twin.losses.append(twin_loss)
+                twin_grads: Tree = {k: p.grad for k, p in twin_params.items()}  # type: ignore[misc]
+                miss = result.agreement.check(
+                    n, value, twin_loss, grads, twin_grads, params, twin_params
+                )
+                if miss:
+                    say(f"MISMATCH in (a) at {miss}")
+                if keep:
+                    points.append(Point(params, grads, value))
+                n += 1
+                progress.update()
+            result.fr.accuracy.append(accuracy(module, params, x_test, y_test))
+            result.twin.accuracy.append(accuracy(module, twin_params, x_test, y_test))
+            progress.set_postfix(acc=f"{result.fr.accuracy[-1]:.3f}")
+    finally:
+        progress.close()
+    return result, points
+
+
+class _OutOfTime(BaseException):
+    """Raised into a compile that runs past its limit (a BaseException: nothing in torch swallows it)."""
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt the body after ``seconds`` where a timer signal can (the main thread on POSIX)."""
+    if (
+        not hasattr(signal, "setitimer")
+        or threading.current_thread() is not threading.main_thread()
+    ):
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _OutOfTime
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _graph_breaks() -> int:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return sum(counters["graph_break"].values())
+
+
+def compiled(
+    options: Options,
+    data: _data.Digits,
+    order: list[list[torch.Tensor]],
+    tol: Tolerance,
+    eager: PathResult,
+    points: list[Point],
+) -> PathResult:
+    """Path (c): the whole functional step under ``torch.compile``, beside the eager run of (a)."""
+    devices = list(options.devices)
+    result = PathResult(
+        title=f"(c) torch.compile(fr step), {options.describe_devices()}",
+        twin_title="the eager fr step (a)",
+        fr=Side("fr compiled"),
+        twin=Side("fr eager", eager.fr.losses, eager.fr.accuracy, eager.fr.step_s),
+        agreement=Agreement(tol),
+    )
+    say("(c) torch.compile of the whole fr step (gradient and AdamW), beside the same step eager")
+    module = _data.model(options.model, dtype=options.torch_dtype).to(devices[0])
+    params = fr.state(module).params
+    opt_state = _adamw.init(params)
+    x_test, y_test = data.x_test.to(devices[0]), data.y_test
+    torch._dynamo.reset()
+    breaks = _graph_breaks()
+    step = torch.compile(fr_step(module, devices, options.lr))
+    progress = bar("(c) compiled", sum(map(len, order)))
+    started = time.perf_counter()
+    n = 0
+    try:
+        with _time_limit(COMPILE_LIMIT_S):
+            for epoch in order:
+                for idx in epoch:
+                    x, y = data.x_train[idx].to(devices[0]), data.y_train[idx].to(devices[0])
+                    start = time.perf_counter()
+                    params, opt_state, grads, loss = step(params, opt_state, x, y)
+                    took = _since(start, devices)
+                    if n:  # the first call compiles: not a step's time
+                        result.fr.step_s.append(took)
+                    else:
+                        result.note = f"first call (compiling) {took:.1f} s"
+                    value = float(loss)
+                    result.fr.losses.append(value)
+                    same = points[n]
+                    miss = result.agreement.check(
+                        n, value, same.loss, grads, same.grads, params, same.params
+                    )
+                    if miss:
+                        say(f"MISMATCH in (c) at {miss}")
+                    n += 1
+                    progress.update()
+                result.fr.accuracy.append(accuracy(module, params, x_test, y_test))
+    except _OutOfTime:
+        result.skipped = f"skipped: compiling and training took over {COMPILE_LIMIT_S:.0f} s"
+    except Exception as exc:  # compile support is still being built: report, do not crash
+        first = (str(exc).strip().splitlines() or [""])[0][:120]
+        result.skipped = f"skipped: {type(exc).__name__}: {first}"
+    finally:
+        progress.close()
+        breaks = _graph_breaks() - breaks
+        torch._dynamo.reset()
+    if result.skipped is None:
+        plural = "s" * (breaks != 1)
+        result.note += (
+            f", {breaks} graph break{plural}, {time.perf_counter() - started:.0f} s in all"
+        )
+    return result
