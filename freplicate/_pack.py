@@ -146,9 +146,14 @@ def move(
     *,
     caller: str,
 ) -> torch.Tensor:
-    """``flat.to(device)``; a failure is a ``TypeError`` naming the leaves packed in ``flat``."""
+    """``flat.to(device)``; a failure is a ``TypeError`` naming the leaves packed in ``flat``.
+
+    Running out of memory is no fault of the leaves: it is raised as it is.
+    """
     try:
         return flat.to(device, non_blocking=flat.is_cuda and device.type == "cuda")
+    except torch.OutOfMemoryError:
+        raise
     except (RuntimeError, NotImplementedError) as err:
         shown = ", ".join(paths[i] for i in idx[:3]) + (", ..." if len(idx) > 3 else "")
         raise TypeError(
@@ -327,10 +332,13 @@ class FlatPool:
     ``pack(runs, parts)`` copies tensors in (casting to the pool's dtype),
     one part per run: its tensors, or one tensor holding them stacked;
     ``views(runs)`` makes fresh per-tensor views to hand out as results.
-    Those keep their buffer out of use until they, and every view
-    or autograd record made from them, are gone; then a later ``take()``
-    hands it out again. At most ``keep`` buffers are kept; when all are busy
-    a fresh, unkept one is returned. ``extra`` spare elements follow the
+    Those keep their buffer *busy* until they, and every view or autograd
+    record made from them, are gone; then it is *spare*, and a later
+    ``take()`` hands it out again. The pool keeps at most ``keep`` buffers
+    and, beyond the busy ones, at most one spare: ``take()`` lets go of any
+    other (a loop that holds one result while it asks for the next
+    alternates between two buffers; one that drops them all keeps one).
+    ``clear()`` lets go of all of them. ``extra`` spare elements follow the
     tensors' at the end of every buffer: the caller's own (``flat[-extra:]``),
     never packed nor viewed by the pool.
 
@@ -361,6 +369,7 @@ class FlatPool:
         self.dtype = dtype
         self.device = torch.device(device)
         self.keep = keep if storage_use_count(torch.empty(0)) is not None else 0
+        # (buffer, its runs, the use count of its storage when nothing outside the pool holds it)
         self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int | None]] = []
 
     @staticmethod
@@ -368,9 +377,19 @@ class FlatPool:
         return storage_use_count(flat)
 
     def take(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        for flat, runs, idle in self.entries:
-            if self._uses(flat) == idle:
-                return flat, runs
+        spare = None
+        kept = []
+        for entry in self.entries:
+            if self._uses(entry[0]) != entry[2]:
+                kept.append(entry)  # busy: a result still views it
+            elif spare is None:
+                spare = entry
+                kept.append(entry)
+            # else a second spare buffer: let it go (one spare at most)
+        if len(kept) != len(self.entries):
+            self.entries = kept
+        if spare is not None:
+            return spare[0], spare[1]
         flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         runs, offset = [], 0
         for shape, count in self.runs:
@@ -380,6 +399,10 @@ class FlatPool:
         if len(self.entries) < self.keep:
             self.entries.append((flat, runs, self._uses(flat)))
         return flat, runs
+
+    def clear(self) -> None:
+        """Let go of every buffer (results still held keep theirs alive, as any tensor)."""
+        self.entries = []
 
     def pack(
         self,

@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
-from freplicate._distributed import agree, collectives
+from freplicate._distributed import agree
 from freplicate._distributed import plan as planning
 from freplicate.testing import init_loopback_group
 
@@ -537,12 +538,12 @@ def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
         counts["all_reduce"] += 1
         return all_reduce(*args, **kwargs)
 
-    agree.probe = collectives.probe = counted_probe
+    agree.probe = counted_probe
     dist.all_reduce = counted_all_reduce
     try:
         return f(), counts
     finally:
-        agree.probe = collectives.probe = probe
+        agree.probe = probe
         dist.all_reduce = all_reduce
 
 
@@ -668,6 +669,215 @@ def grad_switching_and_mismatch(rank: int) -> dict[str, Any]:
     return out
 
 
+# --- ranks that part ways: every rank raises, none aborts or hangs (issue 10, item 6) ---------
+
+
+def outcome(f: Callable[[], Any]) -> tuple[Any, ...]:
+    """``("returned", value)`` or ``("raised", type name, message, cause type name)``."""
+    try:
+        return ("returned", f())
+    except Exception as err:
+        cause = type(err.__cause__).__name__ if err.__cause__ is not None else None
+        return ("raised", type(err).__name__, str(err), cause)
+
+
+@scenario
+def different_functions(rank: int) -> dict[str, Any]:
+    """After the layout is agreed, rank 0 calls all_reduce and rank 1 broadcast (and others)."""
+    tree = {"a": torch.ones(3), "b": torch.ones(2, 2)}
+    out: dict[str, Any] = {}
+    for name, other in [
+        ("broadcast", lambda: fr.distributed.broadcast(tree)),
+        ("sync_buffers", lambda: fr.distributed.sync_buffers({"m": torch.ones(5)})),
+        # (with op="mean", the gradient's reduction is all_reduce's own: they may meet)
+        ("grad", lambda: fr.distributed.grad_and_value(lambda p: p["a"].sum(), op="sum")(tree)),
+    ]:
+        fr.distributed.all_reduce(tree)  # agreed on both ranks
+        fr.distributed.all_reduce(tree)
+        out[name] = outcome(other if rank else lambda: fr.distributed.all_reduce(tree))
+    out["after"] = fr.distributed.all_reduce({"x": torch.full((2,), float(rank))}, op="sum")
+    return out
+
+
+class Net2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(x))
+
+
+@scenario
+def skipped_step(rank: int) -> dict[str, Any]:
+    """A DDP-style loop (sync buffers, then the gradient); rank 1's loss raises at step 3 and it
+    skips to the next step's sync_buffers: both ranks raise, neither aborts, the group goes on."""
+    torch.manual_seed(0)
+    model = Net2()
+    s = fr.state(model)
+    params, buffers = s.params, s.buffers
+
+    def loss_fn(p: Any, b: Any, x: torch.Tensor) -> Any:
+        out, new = fr.apply(model, fr.State(p, b), x)
+        return out.square().mean(), new.buffers
+
+    step = fr.distributed.grad_and_value(loss_fn, has_aux=True)
+    errors = []
+    for i in range(6):
+        x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * i + rank))
+        try:
+            buffers = fr.distributed.sync_buffers(buffers)
+            if rank == 1 and i == 3:
+                continue  # "the loss raised": this rank skips its gradient step
+            grads, (_, buffers) = step(params, buffers, x)
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+        except Exception as err:
+            errors.append((i, type(err).__name__, str(err)))
+            break
+    return {"errors": errors, "after": fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")}
+
+
+class _BackwardRaises(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise ArithmeticError("backward of rank 1 failed")
+
+
+@scenario
+def fn_raises(rank: int) -> dict[str, Any]:
+    """``fn`` raises on rank 1 inside grad_and_value: rank 1 gets its own error, rank 0 an error
+    naming rank 1: on the fast path, on a new layout, after buckets left, and with a graph."""
+    params = {"a": torch.ones(3), "b": torch.ones(2), "c": torch.ones(4)}
+
+    def loss(p: Any, fail: str) -> Any:
+        if rank == 1 and fail == "forward":
+            raise KeyError("no such batch on rank 1")
+        a = _BackwardRaises.apply(p["a"]) if rank == 1 and fail == "backward" else p["a"]
+        return a.sum() + p["b"].sum() * 2 + p["c"].sum() * 3
+
+    out: dict[str, Any] = {}
+    g = fr.distributed.grad_and_value(loss)
+    g(params, "none")
+    g(params, "none")  # the expected layout now: the fast path
+    out["fast"] = outcome(lambda: g(params, "forward"))
+    out["new_layout"] = outcome(lambda: g({**params, "d": torch.ones(1)}, "forward"))
+    tiny = fr.distributed.grad_and_value(loss, bucket_cap_mb=1e-6)  # a bucket per tensor
+    tiny(params, "none")
+    out["backward"] = outcome(lambda: tiny(params, "backward"))
+    graph = {k: v.clone().requires_grad_() for k, v in params.items()}  # fr.grad_and_value first
+    g(params, "none")
+    out["graph"] = outcome(lambda: g(graph, "forward"))
+    out["after"] = g(params, "none")[0]
+    return out
+
+
+# --- wasted collectives (issue 10, item 7) ------------------------------------------------
+
+
+@scenario
+def no_buffers(rank: int) -> dict[str, Any]:
+    """A model without buffers: sync_buffers sends nothing."""
+    empty: dict[str, torch.Tensor] = {}
+    got, counts = counting(
+        lambda: [fr.distributed.sync_buffers(empty, mode=m) for m in ("broadcast", "mean")]
+    )
+    return {"same": all(g is empty for g in got), "counts": counts}
+
+
+@scenario
+def accumulation(rank: int) -> dict[str, Any]:
+    """Gradient accumulation: local gradients, then one all_reduce each of the gradients, the
+    loss and the buffers (three layouts in turn): one collective a call once warm."""
+    params = {"w": torch.ones(5, 3), "b": torch.ones(3)}
+    bufs = {"m": torch.zeros(3), "v": torch.ones(3)}
+    local = fr.grad_and_value(lambda p, x: ((x @ p["w"] + p["b"]) ** 2).mean())
+
+    def step(i: int) -> Any:
+        total, losses = None, []
+        for k in range(3):
+            x = torch.full((2, 5), float(rank + i + k))
+            g, value = local(params, x)
+            total = g if total is None else {n: total[n] + g[n] for n in g}
+            losses.append(value)
+        grads = fr.distributed.all_reduce(total)
+        loss = fr.distributed.all_reduce({"loss": torch.stack(losses).mean()})
+        return grads, loss, fr.distributed.sync_buffers(bufs)
+
+    for i in range(3):  # warm: each layout checked once, then their order learnt
+        step(i)
+    got, counts = counting(lambda: [step(i) for i in range(3, 8)])
+    return {"counts": counts, "grads": [g for g, _, _ in got]}
+
+
+# --- bad arguments across processes (issue 10, item 5) -------------------------------------
+
+
+@scenario
+def bad_arguments(rank: int) -> dict[str, Any]:
+    tree = {"w": torch.ones(2)}
+    sub = dist.new_group([0])  # rank 1 is not in it
+    out: dict[str, Any] = {}
+    for name, f in [
+        ("src_str", lambda: fr.distributed.broadcast(tree, src="0")),  # type: ignore[arg-type]
+        ("src_float", lambda: fr.distributed.broadcast(tree, src=1.0)),  # type: ignore[arg-type]
+        ("src_range", lambda: fr.distributed.broadcast(tree, src=2)),
+        ("group_str", lambda: fr.distributed.all_reduce(tree, group="abc")),
+        ("cap_nan", lambda: fr.distributed.all_reduce(tree, bucket_cap_mb=float("nan"))),
+        ("cap_str", lambda: fr.distributed.all_reduce(tree, bucket_cap_mb="25")),  # type: ignore[arg-type]
+        ("cap_neg", lambda: fr.distributed.all_reduce(tree, bucket_cap_mb=-1)),
+        ("meta", lambda: fr.distributed.all_reduce({"w": torch.ones(2, device="meta")})),
+        ("meta_again", lambda: fr.distributed.all_reduce({"w": torch.ones(2, device="meta")})),
+    ]:
+        out[name] = outcome(f)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["outside"] = outcome(lambda: fr.distributed.all_reduce(tree, group=sub) is tree)
+        if rank == 0:
+            out["src_not_in_sub"] = outcome(
+                lambda: fr.distributed.broadcast(tree, src=1, group=sub)
+            )
+    out["warnings"] = [str(w.message) for w in caught]
+    k = ("a", "b") if rank == 0 else ("b", "a")
+    out["key_order"] = outcome(lambda: fr.distributed.all_reduce({n: torch.ones(2) for n in k}))
+    t, u = torch.ones(2), torch.ones(2)
+    tied = {"a": t, "b": t} if rank == 0 else {"a": t, "b": u}
+    out["tied"] = outcome(lambda: fr.distributed.all_reduce(tied))
+    out["after"] = fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")
+    return out
+
+
+# --- memory held by the pools (issue 10, item 4) --------------------------------------------
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@scenario
+def pools_release(rank: int) -> dict[str, Any]:
+    """A 64 MiB tree reduced in a loop: the pool keeps one spare buffer beyond the live result,
+    and fr.clear_caches() gives the memory back."""
+    tree = {"w": torch.ones(16 * 2**20)}  # 64 MiB
+    grads = None
+    for _ in range(4):
+        grads = fr.distributed.all_reduce(tree)  # the last result is live while the next is made
+    plan = next(p for p in planning._PLANS.values() if p.buckets[0].results.numel > 2**20)
+    live = [len(b.results.entries) for b in plan.buckets]
+    del grads
+    fr.distributed.all_reduce(tree)  # every result dropped: one spare kept
+    spare = [len(b.results.entries) for b in plan.buckets]
+    before = rss()
+    fr.clear_caches()
+    after = rss()
+    return {"live": live, "spare": spare, "freed": before - after, "plans": len(planning._PLANS)}
+
+
 # --- a rank that dies -----------------------------------------------------------------
 
 
@@ -677,5 +887,6 @@ def survivor(rank: int) -> Any:
     try:
         fr.distributed.all_reduce({"a": torch.ones(1000)})
     except Exception as err:
-        return ("raised", type(err).__name__, str(err)[:300], time.monotonic() - start)
+        cause = type(err.__cause__).__name__ if err.__cause__ is not None else None
+        return ("raised", type(err).__name__, str(err)[:300], cause, time.monotonic() - start)
     return ("returned", time.monotonic() - start)

@@ -322,7 +322,151 @@ def test_grad_under_vmap_raises(job):
 def test_dead_rank_makes_the_other_raise(stall):
     res = w.spawn(["survivor"], pg_timeout=5.0, deadline=60.0, die=1, stall=stall)["survivor"][0]
     assert res[0] == "raised", f"the survivor's all_reduce returned: {res!r}"
+    assert res[1] == "RuntimeError" and res[3] is not None, res  # the original is the cause
+    assert res[2].startswith("fr.distributed.all_reduce: a collective failed: a peer rank "), res
     assert res[-1] < 20.0  # within the group's timeout (5 s) and some slack, not a hang
+
+
+# --- ranks that part ways (issue 10, item 6) -------------------------------------------
+
+
+def test_ranks_calling_different_functions_all_raise(job):
+    fns = {
+        "broadcast": "fr.distributed.broadcast",
+        "sync_buffers": "fr.distributed.sync_buffers",
+        "grad": "fr.distributed.grad_and_value",
+    }
+    for rank, r in enumerate(ok(job, "different_functions")):
+        for name, fn in fns.items():
+            got = r[name]
+            assert got[0] == "raised" and got[1] == "ValueError", got
+            mine = fn if rank else "fr.distributed.all_reduce"
+            assert got[2].startswith(f"{mine}: ranks called different functions: "), got
+            assert f"fr.distributed.all_reduce on rank 0, {fn} on rank 1" in got[2], got
+        torch.testing.assert_close(r["after"]["x"], torch.ones(2))
+
+
+def test_a_rank_that_skips_a_step_makes_every_rank_raise(job):
+    r0, r1 = ok(job, "skipped_step")
+    (step0, kind0, text0), (step1, kind1, text1) = r0["errors"][0], r1["errors"][0]
+    assert (step0, step1) == (3, 4), (r0["errors"], r1["errors"])
+    assert kind0 == kind1 == "ValueError"
+    assert text0.startswith("fr.distributed.grad_and_value: ranks called different functions")
+    assert text1.startswith("fr.distributed.sync_buffers: ranks called different functions")
+    for r in (r0, r1):
+        torch.testing.assert_close(r["after"]["x"], torch.full((2,), 2.0))
+
+
+@pytest.mark.parametrize("case", ["fast", "new_layout", "backward", "graph"])
+def test_fn_raising_on_one_rank_raises_on_every_rank(job, case):
+    r0, r1 = ok(job, "fn_raises")
+    own = {"backward": ("ArithmeticError", "backward of rank 1 failed")}.get(
+        case, ("KeyError", "no such batch on rank 1")
+    )
+    assert r1[case][:2] == ("raised", own[0]), r1[case]
+    assert own[1] in r1[case][2]
+    assert r0[case][:2] == ("raised", "RuntimeError"), r0[case]
+    assert re.match(
+        r"fr\.distributed\.grad_and_value: rank 1 \(fr\.distributed\.grad_and_value\) raised "
+        + own[0],
+        r0[case][2],
+    ), r0[case][2]
+    for r in (r0, r1):  # the group goes on
+        close(
+            r["after"], {"a": torch.ones(3), "b": torch.full((2,), 2.0), "c": torch.full((4,), 3.0)}
+        )
+
+
+# --- wasted collectives (issue 10, item 7) ---------------------------------------------
+
+
+def test_sync_buffers_without_buffers_sends_nothing(job):
+    for r in ok(job, "no_buffers"):
+        assert r["same"]
+        assert r["counts"] == {"probe": 0, "all_reduce": 0}, r["counts"]
+
+
+def test_accumulation_costs_one_collective_a_reduction(job):
+    for r in ok(job, "accumulation"):
+        # five steps of three reductions (gradients, loss, buffers): the data, nothing more
+        assert r["counts"] == {"probe": 0, "all_reduce": 15}, r["counts"]
+    close(*[r["grads"] for r in job["accumulation"]], rtol=0, atol=0)
+
+
+# --- bad arguments across processes (issue 10, item 5) ----------------------------------
+
+
+def test_bad_arguments_on_every_rank(job):
+    for rank, r in enumerate(ok(job, "bad_arguments")):
+        expect = {
+            "src_str": ("TypeError", r"^fr\.distributed\.broadcast: src must be an int, got '0'"),
+            "src_float": (
+                "TypeError",
+                r"^fr\.distributed\.broadcast: src must be an int, got 1\.0",
+            ),
+            "src_range": (
+                "ValueError",
+                r"^fr\.distributed\.broadcast: src=2 is not a rank of the default group "
+                r"\(its global ranks are \[0, 1\]\)",
+            ),
+            "group_str": (
+                "TypeError",
+                r"^fr\.distributed\.all_reduce: group must be a torch\.distributed process "
+                r"group .* got 'abc' of type str$",
+            ),
+            "cap_nan": ("ValueError", r"^fr\.distributed\.all_reduce: bucket_cap_mb must be a "),
+            "cap_str": (
+                "TypeError",
+                r"^fr\.distributed\.all_reduce: bucket_cap_mb must be a number",
+            ),
+            "cap_neg": ("ValueError", r"^fr\.distributed\.all_reduce: bucket_cap_mb must be a "),
+            "meta": (
+                "TypeError",
+                r"^fr\.distributed\.all_reduce: the tensor at \['w'\] is on the meta device",
+            ),
+            "meta_again": (
+                "TypeError",
+                r"^fr\.distributed\.all_reduce: the tensor at \['w'\] is on the meta device",
+            ),
+            "key_order": (
+                "ValueError",
+                r"at the root: dict with keys \('a', 'b'\) on rank 0, dict with keys "
+                r"\('b', 'a'\) on rank 1",
+            ),
+            "tied": (
+                "ValueError",
+                r"tied \(aliased\) leaves differ across ranks: .* on rank 0 and on rank 1$",
+            ),
+        }
+        for name, (kind, pattern) in expect.items():
+            got = r[name]
+            assert got[0] == "raised" and got[1] == kind, (name, got)
+            assert re.search(pattern, got[2]), (name, got[2])
+        assert r["outside"] == ("returned", True)
+        if rank == 0:
+            assert r["src_not_in_sub"][:2] == ("raised", "ValueError")
+            assert re.search(
+                r"src=1 is not a rank of the given group \(its global ranks are \[0\]\)",
+                r["src_not_in_sub"][2],
+            )
+            assert r["warnings"] == []
+        else:
+            (text,) = r["warnings"]
+            assert text.startswith(
+                "fr.distributed.all_reduce: this rank is not in the given process group"
+            )
+        torch.testing.assert_close(r["after"]["x"], torch.full((2,), 2.0))
+
+
+# --- memory held by the pools (issue 10, item 4) ----------------------------------------
+
+
+def test_pools_keep_one_spare_and_clear_caches_frees_them(job):
+    for r in ok(job, "pools_release"):
+        assert r["live"] == [2], r  # the live result's buffer and one spare
+        assert r["spare"] == [1], r  # every result dropped: one spare only
+        assert r["freed"] >= 48 * 2**20, r  # the 64 MiB spare buffer, given back
+        assert r["plans"] == 0
 
 
 # --- no process group -------------------------------------------------------------------

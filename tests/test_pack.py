@@ -223,3 +223,28 @@ def test_move_each_coalesces_per_target_and_keeps_what_is_there() -> None:
     assert out[0] is a
     assert [t.device for t in out] == [CPU, META, META]
     assert [t.shape for t in out] == [a.shape, b.shape, c.shape]
+
+
+class _NoMemory(torch.Tensor):
+    def to(self, *args: object, **kwargs: object) -> torch.Tensor:  # type: ignore[override]
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_move_out_of_memory_is_not_a_type_error() -> None:
+    flat = torch.ones(3).as_subclass(_NoMemory)
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate"):
+        _pack.move(flat, META, [0], ["['w']"], caller="fr.replicate")
+
+
+def test_pool_keeps_one_spare_beyond_live_results() -> None:
+    pool = _pack.FlatPool([torch.Size([4])], torch.float32, "cpu")
+    a, runs = pool.take()
+    held = pool.views(runs)  # a is busy
+    b, runs_b = pool.take()
+    held_b = pool.views(runs_b)  # b busy too
+    assert len(pool.entries) == 2 and a.data_ptr() != b.data_ptr()
+    del held, held_b  # both spare now
+    pool.take()
+    assert len(pool.entries) == 1  # the second spare was let go
+    pool.clear()
+    assert pool.entries == []

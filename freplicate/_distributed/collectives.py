@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_choice, check_int, check_op, check_positive
-from .._pack import FlatPool
+from .._tree import tensor_values
 from .._typing import Compress, Op, TensorTree
-from .agree import agree, mismatch, probe, verify
-from .group import check_not_transformed, check_src, world_size
+from .agree import agree, mismatch
+from .group import check_not_transformed, check_src, comm_errors, world_size
 from .pipeline import Reduction
-from .plan import COMPRESS, plan_for, rebuild_tree
+from .plan import COMPRESS, Plan, plan_for, rebuild_tree
 
-__all__ = ["all_reduce", "broadcast", "check_reduce_args", "reduce_tree", "sync_buffers"]
+__all__ = ["all_reduce", "broadcast", "check_reduce_args", "reduce_tree", "run", "sync_buffers"]
 
 
 def all_reduce(
@@ -105,14 +105,37 @@ def reduce_tree(
     plan, leaves = plan_for(tree, caller, op, bucket_cap_mb, compress, None)
     if not plan.unique:  # nothing to reduce; the check still catches a rank that has tensors
         if check:
-            agree(plan, tree, group, world, caller)
+            with comm_errors(caller):
+                agree(plan, tree, group, world, caller)
         return tree
-    with plan.lock:
+    return run(plan, tree, leaves, op, group, world, check, caller, send=True)
+
+
+def run(
+    plan: Plan,
+    tree: TensorTree,
+    leaves: list[Any],
+    op: Op,
+    group: Any,
+    world: int,
+    check: bool,
+    caller: str,
+    *,
+    send: bool,
+) -> TensorTree:
+    """Agree on ``plan``, then all its buckets through the pipeline; the tree of the results.
+
+    ``send=False``: this rank contributes nothing (``broadcast`` off the source).
+    """
+    with plan.lock, comm_errors(caller):
         fast = check and agree(plan, tree, group, world, caller)
         poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
-        red = Reduction(plan, op, group, world, poisoned)
+        red = Reduction(plan, op, group, world, poisoned, caller)
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        staged = [red.stage(b, plan.parts(b, tensors)) for b in range(len(plan.buckets))]
+        staged = [
+            red.stage(b, plan.parts(b, tensors) if send else None)
+            for b in range(len(plan.buckets))
+        ]
         for st in staged:
             red.start(st)
         return red.finish(lambda results: rebuild_tree(plan, leaves, results))
@@ -124,10 +147,11 @@ def broadcast(
     """A new tree whose tensor leaves equal rank ``src``'s; the input is unchanged.
 
     The initial sync DDP does at construction (and, for buffers, at every
-    forward). Collective, coalesced as ``all_reduce``, with the cross-rank
-    check (here one tiny collective on every call). On rank ``src`` the
-    result holds the given tensors themselves (their values are the
-    answer); on the others fresh tensors.
+    forward). Collective, coalesced and checked across ranks as
+    ``all_reduce`` (it is one: ``src`` sends its values, the other ranks
+    -0.0, which leaves every value as it is). On rank ``src`` the result
+    holds the given tensors themselves (their values are the answer); on
+    the others fresh tensors.
 
     Args:
         tree: the tree to send (on ``src``) or to receive into (elsewhere:
@@ -157,40 +181,27 @@ def broadcast(
 
 def _broadcast(tree: TensorTree, caller: str, src: Any, group: Any, check: bool) -> TensorTree:
     world = world_size(group, caller)
-    if world <= 1:
+    if world == 0:  # not a rank of group: nothing to do (warned)
+        return tree
+    if dist.is_available() and dist.is_initialized():
+        check_src(caller, src, group)
+    else:
         check_int(caller, "src", src)
+    if world == 1:
         return tree
     check_not_transformed(caller)
-    check_src(caller, src, group)
     plan, leaves = plan_for(tree, caller, "sum", 25.0, None, src)
     if not plan.unique:  # nothing to send; the check still catches a rank that has tensors
         if check:
-            verify(plan, probe(plan, group), tree, group, caller)
+            with comm_errors(caller):
+                agree(plan, tree, group, world, caller)
         return tree
+    # a sum of src's values and every other rank's neutral -0.0: src's values, bit for bit
     root = dist.get_rank() == src
-    with plan.lock:
-        pending_check = probe(plan, group) if check else None
-        staged = []
-        tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
-        for b, bucket in enumerate(plan.buckets):
-            flat, runs = bucket.results.take()
-            if root:
-                bucket.results.pack(runs, plan.parts(b, tensors))
-            staged.append((flat, runs))
-        if pending_check is not None:
-            verify(plan, pending_check, tree, group, caller)
-        pending = [
-            (runs, dist.broadcast(flat, src=src, group=group, async_op=True))
-            for flat, runs in staged
-        ]
-        views: list[torch.Tensor] = []
-        for runs, work in pending:
-            work.wait()
-            if not root:
-                views += FlatPool.views(runs)
+    out = run(plan, tree, leaves, "sum", group, world, check, caller, send=root)
     if root:  # a new tree holding the given tensors: their values are the answer
         return optree.tree_unflatten(plan.spec, leaves)
-    return rebuild_tree(plan, leaves, plan.reorder(views))
+    return out
 
 
 def sync_buffers(
@@ -208,7 +219,9 @@ def sync_buffers(
     ``mode="mean"``: floating-point buffers become their mean over the ranks
     (running statistics of the whole global batch, roughly); the others
     (``num_batches_tracked``) are broadcast from ``src``. The composable
-    ``replicate`` never syncs buffers: not calling this matches it.
+    ``replicate`` never syncs buffers: not calling this matches it. Buffers
+    without a tensor (a model without buffers) cost no collective, and so are
+    not checked across ranks: every rank's model must have the same buffers.
 
     Args:
         buffers: the buffers, e.g. ``fr.state(module).buffers``.
@@ -218,7 +231,7 @@ def sync_buffers(
 
     Returns:
         The synced buffers; ``buffers`` itself without an initialised
-        process group or with one rank.
+        process group, with one rank, or without tensors.
 
     Raises:
         ValueError: a bad ``mode`` or ``src``; buffers that differ across ranks.
@@ -230,6 +243,11 @@ def sync_buffers(
     """
     caller = "fr.distributed.sync_buffers"
     check_choice(caller, "mode", mode, ("broadcast", "mean"))
+    values = tensor_values(buffers)
+    leaves = values if values is not None else optree.tree_leaves(buffers)
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        check_int(caller, "src", src)
+        return buffers  # nothing to sync (a model without buffers): no collective
     if mode == "broadcast":
         return _broadcast(buffers, caller, src, group, True)
     world = world_size(group, caller)

@@ -13,9 +13,9 @@ from .._grad import detached, gradients, split_output
 from .._grad import grad_and_value as _local_grad_and_value
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
 from .._typing import Compress, Op, TensorTree
-from .agree import agree, mismatch
+from .agree import OwnFailure, agree, announce_failure, mismatch
 from .collectives import check_reduce_args, reduce_tree
-from .group import check_not_transformed, world_size
+from .group import check_not_transformed, comm_errors, world_size
 from .pipeline import Reduction
 from .plan import Bucket, Plan, plan_for, rebuild_tree
 
@@ -150,16 +150,27 @@ def grad_and_value(
         rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
         if (
             not plan.bare  # non-tensor or tied leaves: let fr.grad_and_value deal with them
+            or not plan.unique
             or any(map(_REQUIRES_GRAD, leaves))
             or any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
         ):
             # an outer autograd graph, which torch.func keeps: its gradient, then reduce
-            grads, value = local(*args, **kwargs)
+            try:
+                grads, value = local(*args, **kwargs)
+            except Exception as err:
+                # the peers are already in this call's reduction: meet them there, then raise
+                with comm_errors(caller):
+                    try:
+                        announce_failure(group, world, caller, err)
+                    except OwnFailure:
+                        pass
+                raise
             reduced = reduce_tree(grads, caller, op, group, world, bucket_cap_mb, compress, check)
             return reduced, value
         with plan.lock:
-            # a rank off the agreed layout mirrors it (and checks) before its forward pass
-            fast = check and agree(plan, tree, group, world, caller)
+            with comm_errors(caller):
+                # a rank off the expected layout mirrors it (and checks) before its forward pass
+                fast = check and agree(plan, tree, group, world, caller)
             poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
             return _overlapped(
                 fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, caller
@@ -189,6 +200,9 @@ def _overlapped(
     On the fast path of the layout check (``poisoned`` given), the first
     bucket's flags are read just before the second bucket starts (from a
     later hook, or once the backward pass is over), so it rarely blocks.
+    When ``fn`` (or its backward pass) raises, this rank still launches the
+    buckets left, flagged *failed*, so that every rank learns it and raises
+    (``Reduction.fail``); this rank then raises ``fn``'s own error.
     """
     layout = _diff_layout(plan, set(map(type, leaves)) <= PLAIN)  # plain tensors only: stacks
     made = layout.leaves.make(leaves)
@@ -199,11 +213,12 @@ def _overlapped(
     diff, fresh = made
     new_args = list(args)
     new_args[argnums] = optree.tree_unflatten(plan.spec, fresh)
-    red = Reduction(plan, op, group, world, poisoned)
+    red = Reduction(plan, op, group, world, poisoned, caller)
     nb = len(plan.buckets)
     ready: list[list[torch.Tensor | None]] = [[None] * len(span) for span in layout.spans]
     missing = [len(span) for span in layout.spans]
     handles = []
+    ours: list[BaseException] = []  # an error of the collectives, raised in a hook
 
     def launch_ready() -> None:
         # Buckets start in plan order on every rank, whatever order their gradients come in.
@@ -216,7 +231,12 @@ def _overlapped(
             ready[b][j] = grad
             missing[b] -= 1
             if missing[b] == 0:
-                launch_ready()
+                try:
+                    with comm_errors(caller):
+                        launch_ready()
+                except BaseException as err:
+                    ours.append(err)
+                    raise
 
         return hook
 
@@ -228,13 +248,23 @@ def _overlapped(
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
             grads = gradients(value, diff)
+    except Exception as err:
+        if ours:
+            raise  # a mismatch or a peer's failure: every rank raises it
+        with comm_errors(caller):
+            try:
+                red.fail(err)
+            except OwnFailure:
+                pass
+        raise
     finally:
         for h in handles:
             h.remove()
-    # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
-    for b in range(red.launched, nb):
-        span = layout.spans[b]
-        red.launch(b, layout.parts(b, grads[span.start : span.stop]))
-    rest = detached(value, aux, has_aux)  # while the buckets are in flight
-    grads_tree = red.finish(lambda results: rebuild_tree(plan, leaves, results))
+    with comm_errors(caller):
+        # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
+        for b in range(red.launched, nb):
+            span = layout.spans[b]
+            red.launch(b, layout.parts(b, grads[span.start : span.stop]))
+        rest = detached(value, aux, has_aux)  # while the buckets are in flight
+        grads_tree = red.finish(lambda results: rebuild_tree(plan, leaves, results))
     return grads_tree, rest

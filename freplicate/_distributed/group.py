@@ -9,8 +9,10 @@ several processes but no process group was initialised.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -19,7 +21,7 @@ import torch.distributed as dist
 from .._checks import check_int
 from .._torch import transform_level
 
-__all__ = ["check_not_transformed", "check_src", "comm_device", "world_size"]
+__all__ = ["check_not_transformed", "check_src", "comm_device", "comm_errors", "world_size"]
 
 # what ``dist.new_group`` hands a rank that is not in the group
 _NOT_A_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
@@ -101,3 +103,23 @@ def check_not_transformed(caller: str) -> None:
             "torch.distributed collectives have no batching or differentiation rule; call "
             "fr.grad_and_value inside the transform and fr.distributed.all_reduce outside it"
         )
+
+
+@contextlib.contextmanager
+def comm_errors(caller: str) -> Iterator[None]:
+    """Re-raise torch.distributed's own errors (a peer gone, a timeout) naming ``caller``.
+
+    The original is the new error's ``__cause__``. Errors fr raises itself
+    (they start with ``caller``) and out-of-memory errors pass as they are.
+    """
+    try:
+        yield
+    except RuntimeError as err:
+        if str(err).startswith(f"{caller}:") or isinstance(err, torch.OutOfMemoryError):
+            raise
+        raise RuntimeError(
+            f"{caller}: a collective failed: a peer rank may have died, stalled past the "
+            "group's timeout, or called another collective than this one; every rank must "
+            f"make the same fr.distributed calls in the same order ({type(err).__name__}: "
+            f"{str(err)[:300]})"
+        ) from err

@@ -1,4 +1,11 @@
-"""The bucket pipeline: pack a plan's buckets, launch their collectives in order, collect."""
+"""The bucket pipeline: pack a plan's buckets, launch their collectives in order, collect.
+
+One pipeline serves every collective of fr.distributed: ``all_reduce`` and
+``grad_and_value`` pack their tensors (divided by the world size for a
+mean), ``broadcast`` packs them on the source rank and a neutral filler
+elsewhere (a sum then gives every rank the source's values), so that every
+call's first collective is a first bucket, with the layout check's flags.
+"""
 
 from __future__ import annotations
 
@@ -10,42 +17,72 @@ import torch.distributed as dist
 
 from .._pack import FlatPool
 from .._typing import Op, TensorTree
-from .plan import FLAGS, Plan
+from .agree import failure, record
+from .plan import FAILED, OFF, Plan
 
 __all__ = ["Reduction"]
 
 
 class Reduction:
-    """One call's reduction over a plan: fill buckets, launch them in order, collect results."""
+    """One call's reduction over a plan: fill buckets, launch them in order, collect results.
 
-    __slots__ = ("group", "launched", "op", "pending", "plan", "poisoned", "world")
+    ``poisoned``: on the fast path of the layout check, what to do if the
+    first bucket's flags say another rank ran something else. ``error``: this
+    rank's own failure (``fail``), announced to the others in the flags of
+    the buckets still to launch.
+    """
+
+    __slots__ = (
+        "caller",
+        "error",
+        "group",
+        "launched",
+        "op",
+        "pending",
+        "plan",
+        "poisoned",
+        "world",
+    )
 
     def __init__(
-        self, plan: Plan, op: Op, group: Any, world: int, poisoned: Callable[[], None] | None
+        self,
+        plan: Plan,
+        op: Op,
+        group: Any,
+        world: int,
+        poisoned: Callable[[], None] | None,
+        caller: str,
     ) -> None:
         self.plan = plan
         self.op = op
         self.group = group
         self.world = world
-        # on the fast path of the layout check: what to do if the first bucket's flags are poisoned
         self.poisoned = poisoned
+        self.caller = caller
+        self.error: BaseException | None = None
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
 
-    def stage(self, b: int, parts: Sequence[Any]) -> tuple[Any, ...]:
-        """Pack bucket ``b`` from ``parts`` (``FlatPool.pack``'s, one per run), ready to start."""
+    def stage(self, b: int, parts: Sequence[Any] | None) -> tuple[Any, ...]:
+        """Pack bucket ``b`` from ``parts`` (``FlatPool.pack``'s, one per run), ready to start.
+
+        ``parts=None``: nothing of this rank's to send (``broadcast`` off the
+        source, or a failed call): the bucket holds -0.0, the sum's neutral
+        element for every value, +0.0 and -0.0 included (0 for integers).
+        """
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
-        # a mean divides before the sum, as DDP does: one pass with the copy, no overflow in fp16
-        div = self.world if self.op == "mean" else 1
-        if bucket.comm is None:
-            comm = res
-            bucket.results.pack(runs, parts, div=div)
+        comm, comm_runs = (res, runs) if bucket.comm is None else bucket.comm.take()
+        pool = bucket.results if bucket.comm is None else bucket.comm
+        if parts is None:
+            comm.fill_(-0.0 if comm.is_floating_point() or comm.is_complex() else 0)
         else:
-            comm, comm_runs = bucket.comm.take()
-            bucket.comm.pack(comm_runs, parts, div=div)
+            # a mean divides before the sum, as DDP does: one pass with the copy, no fp16 overflow
+            pool.pack(comm_runs, parts, div=self.world if self.op == "mean" else 1)
         if bucket.clear is not None:
-            comm[-FLAGS:].copy_(bucket.clear)
+            comm[-bucket.extra :].copy_(bucket.clear)
+            if self.error is not None:
+                comm[FAILED if b == 0 else -1] = 1
         return runs, comm, res, bucket.red
 
     def start(self, staged: tuple[Any, ...]) -> None:
@@ -56,16 +93,31 @@ class Reduction:
         self.pending.append((runs, comm, res, work))
         self.launched += 1
 
+    def launch(self, b: int, parts: Sequence[Any] | None) -> None:
+        self.start(self.stage(b, parts))
+
+    def fail(self, error: BaseException) -> None:
+        """This rank's call failed: launch what is left with the failed flag, then raise together.
+
+        Raises ``OwnFailure`` once every rank knows (the caller re-raises
+        ``error``); the other ranks raise a ``RuntimeError`` naming this one.
+        """
+        self.error = error
+        for b in range(self.launched, len(self.plan.buckets)):
+            self.launch(b, None)
+        self.finish(lambda results: None)
+
     def confirm(self) -> None:
         """Wait for the first bucket and read its flags: the fast path's layout check."""
         poisoned, self.poisoned = self.poisoned, None
         _, comm, _, work = self.pending[0]
         work.wait()
-        if poisoned is not None and comm[-FLAGS].item() != 0:
-            poisoned()  # a rank mirrored the agreed layout: it runs another one
-
-    def launch(self, b: int, parts: Sequence[Any]) -> None:
-        self.start(self.stage(b, parts))
+        if comm[OFF].item() != 0 or comm[FAILED].item() != 0:
+            if self.error is not None:
+                failure(self.group, self.caller, self.error)
+            assert poisoned is not None
+            poisoned()  # a rank mirrored the expected layout: it runs another one, or failed
+        record(self.plan, self.group)
 
     def finish(self, build: Callable[[Sequence[torch.Tensor]], TensorTree]) -> TensorTree:
         """``build`` of the results (one per unique tensor of the plan), returned once all landed.
@@ -74,7 +126,8 @@ class Reduction:
         reuse a buffer only once all of its views are gone. Views of a buffer
         still being reduced in place are valid before its values land, so
         they and ``build``'s tree are made while the buckets are in flight,
-        and handed out only after the waits.
+        and handed out only after the waits. Every rank reads the failed
+        flag of the last bucket: set, every rank raises (``failure``).
         """
         views: list[torch.Tensor] = []
         for runs, _, _, _ in self.pending:
@@ -82,8 +135,12 @@ class Reduction:
         out = build(self.plan.reorder(views))
         if self.poisoned is not None:
             self.confirm()
-        for _, comm, res, work in self.pending:
+        for *_, work in self.pending:
             work.wait()
+        last = self.pending[-1][1]
+        if last[FAILED if len(self.pending) == 1 else -1].item() != 0:
+            failure(self.group, self.caller, self.error)
+        for _, comm, res, _ in self.pending:
             if comm is not res:
                 res.copy_(comm)
         return out

@@ -24,6 +24,7 @@ import optree
 import torch
 import torch.distributed as dist
 
+from .._caches import register
 from .._checks import check_mean
 from .._pack import FlatPool, buckets, check_packable, group_by
 from .._tree import LazyPaths, alias_groups, flatten_in_order, picker, rebuild, tensor_values
@@ -32,7 +33,20 @@ from .._typing import Compress, Op, TensorTree
 if TYPE_CHECKING:
     from .grad import _DiffLayout
 
-__all__ = ["COMPRESS", "FLAGS", "Bucket", "FirstCollective", "Plan", "plan_for", "rebuild_tree"]
+__all__ = [
+    "COMPRESS",
+    "FAILED",
+    "FLAGS",
+    "KNOWN",
+    "OFF",
+    "ON",
+    "Bucket",
+    "FirstCollective",
+    "Plan",
+    "clear_plans",
+    "plan_for",
+    "rebuild_tree",
+]
 
 COMPRESS: dict[Compress, torch.dtype | None] = {
     None: None,
@@ -43,9 +57,13 @@ _PLAN_CACHE_SIZE = 16
 # DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): small, so it starts early in the
 # backward pass, and the layout check it carries (``agree``) is read back soon and cheaply.
 _FIRST_BUCKET_BYTES = 1024 * 1024
-# The layout check's trailing elements of a plan's first bucket (see ``agree``): [off the agreed
-# layout, on it, off the second layout]. Each sums up to the world size; only "> 0" is read.
-FLAGS = 3
+# How many layouts each group remembers as run by every rank (``agree``).
+KNOWN = 8
+# The trailing elements of a plan's first bucket, as negative indices: [off the expected layout,
+# on it, failed, then one per known layout: not on it]. Each sums up to the world size; only
+# "> 0" is read (see ``agree``). The last bucket, when it is another, ends with [failed] alone.
+FLAGS = 3 + KNOWN
+OFF, ON, FAILED = -FLAGS, -FLAGS + 1, -FLAGS + 2
 
 
 class FirstCollective(NamedTuple):
@@ -64,7 +82,9 @@ class Bucket:
     handed out as views (reused once those views are gone); ``comm``, only
     where the bucket travels in another dtype (compression, booleans), is
     the plan's private buffer in that dtype. The plan's first bucket has
-    ``extra=FLAGS`` spare elements at the end of both: the layout check's flags.
+    ``FLAGS`` spare elements at the end of both, the layout check's flags; a
+    last bucket that is not the first has one, the failed flag. ``clear``:
+    those elements on a call that runs the expected layout and did not fail.
     """
 
     __slots__ = (
@@ -72,6 +92,7 @@ class Bucket:
         "comm",
         "comm_dtype",
         "dtype",
+        "extra",
         "members",
         "red",
         "results",
@@ -105,10 +126,19 @@ class Bucket:
             if comm_dtype != first.dtype
             else None
         )
-        # the flags of a call on the fast path (``agree``): on the agreed layout
-        self.clear = (
-            torch.tensor([0, 1, 0], dtype=comm_dtype, device=first.device) if extra else None
-        )
+        self.extra = extra
+        self.clear: torch.Tensor | None = None
+        if extra:
+            self.clear = torch.zeros(extra, dtype=comm_dtype, device=first.device)
+            if extra == FLAGS:
+                self.clear[ON] = 1
+
+
+def _extra(b: int, last: int) -> int:
+    """Flag elements at the end of bucket ``b`` of ``last + 1``: the layout flags, or failed."""
+    if b == 0:
+        return FLAGS
+    return 1 if b == last else 0
 
 
 class Plan:
@@ -133,11 +163,17 @@ class Plan:
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
         check_packable(tensors, range(len(tensors)), paths, caller=caller)
+        for k, t in enumerate(tensors):
+            if t.is_meta:
+                raise TypeError(
+                    f"{caller}: the tensor at {paths[k]} is on the meta device, which holds no "
+                    "values to send to other processes; materialise it (e.g. .to_empty()) first"
+                )
         if op == "mean":
             check_mean(caller, tensors, paths)
         # DDP's order: the last parameters' gradients are ready first.
         order = list(range(len(tensors)))[::-1]
-        self.buckets: list[Bucket] = []
+        cuts: list[tuple[list[int], torch.dtype]] = []  # each bucket's tensors, and its dtype
         groups = group_by([tensors[k] for k in order], lambda t: (t.device, t.dtype))
         for (_, dtype), positions in groups.items():
             members = [order[p] for p in positions]
@@ -148,16 +184,19 @@ class Plan:
                 comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
             numels = [tensors[k].numel() for k in members]
             runs = buckets(numels, comm.itemsize, cap_bytes)
-            if not self.buckets:  # the plan's first bucket: DDP's smaller cap
+            if not cuts:  # the plan's first bucket: DDP's smaller cap
                 cut = buckets(numels, comm.itemsize, min(cap_bytes, _FIRST_BUCKET_BYTES))[0]
                 rest = buckets(numels[cut.stop :], comm.itemsize, cap_bytes)
                 runs = [cut] + [range(r.start + cut.stop, r.stop + cut.stop) for r in rest]
             for run in runs:
                 # equal shapes side by side: one stack packs them, one unbind views them back
                 by_shape = group_by([tensors[members[r]] for r in run], lambda t: t.shape)
-                ids = [members[run[p]] for same in by_shape.values() for p in same]
-                extra = 0 if self.buckets else FLAGS
-                self.buckets.append(Bucket(ids, [tensors[k] for k in ids], comm, extra=extra))
+                cuts.append(([members[run[p]] for same in by_shape.values() for p in same], comm))
+        last = len(cuts) - 1
+        self.buckets = [
+            Bucket(ids, [tensors[k] for k in ids], comm, extra=_extra(b, last))
+            for b, (ids, comm) in enumerate(cuts)
+        ]
         # results come out bucket by bucket; this puts them back in the order of the tensors
         where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
         inverse = [where[k] for k in range(len(tensors))]
@@ -254,6 +293,20 @@ def plan_for(
         while len(_PLANS) > _PLAN_CACHE_SIZE:
             del _PLANS[next(iter(_PLANS))]  # the oldest layout
     return plan, leaves
+
+
+def clear_plans() -> None:
+    """Forget every plan, and with them their pooled buffers (``fr.clear_caches``)."""
+    with _PLANS_LOCK:
+        for plan in _PLANS.values():
+            for bucket in plan.buckets:
+                bucket.results.clear()
+                if bucket.comm is not None:
+                    bucket.comm.clear()
+        _PLANS.clear()
+
+
+register(clear_plans)
 
 
 def rebuild_tree(plan: Plan, leaves: list[Any], results: Sequence[torch.Tensor]) -> TensorTree:
