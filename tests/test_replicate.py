@@ -53,6 +53,17 @@ def assert_unchanged(snap: list[tuple[torch.Tensor, int, torch.Tensor]]) -> None
         assert t._version == version and torch.equal(t, value)
 
 
+def shares(got: torch.Tensor, src: torch.Tensor) -> bool:
+    """``got`` is a tensor object of its own on ``src``'s very memory: zero copy, not ``src``."""
+    return (
+        got is not src
+        and got.device == src.device
+        and got.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
+        and got.data_ptr() == src.data_ptr()
+        and (got.shape, got.stride(), got.dtype) == (src.shape, src.stride(), src.dtype)
+    )
+
+
 def test_structure_values_dtypes_devices() -> None:
     tree = make_tree()
     snap = guard(tree)
@@ -70,7 +81,7 @@ def test_structure_values_dtypes_devices() -> None:
             assert got.device == torch.device(d)
             assert got.dtype == src.dtype and got.shape == src.shape
             if got.device == CPU:
-                assert got is src  # same device: shared, not copied
+                assert shares(got, src)  # same device: a new object on the same memory
     assert_unchanged(snap)
 
 
@@ -79,7 +90,7 @@ def test_tied_leaves_stay_one_object_per_replica() -> None:
     cpu, meta, meta2 = fr.replicate(tree, ["cpu", "meta", "meta"])
     for r in (cpu, meta, meta2):
         assert r["tied_a"] is r["nested"][0]
-    assert cpu["tied_a"] is tree["tied_a"]
+    assert shares(cpu["tied_a"], tree["tied_a"])
     assert meta["tied_a"] is not cpu["tied_a"] and meta["tied_a"].device == META
 
 
@@ -105,9 +116,8 @@ def test_values_on_meta_and_back_through_apply() -> None:
     s = fr.state(m)
     replicas = fr.replicate(s, ["cpu", "cpu:0", "meta"])
     assert all(type(r) is fr.State for r in replicas)
-    assert replicas[0] == replicas[1] and all(
-        a is b for a, b in zip(_leaves(replicas[0]), _leaves(s))
-    )
+    assert all(shares(a, b) for r in replicas[:2] for a, b in zip(_leaves(r), _leaves(s)))
+    assert all(a is not b for a, b in zip(_leaves(replicas[0]), _leaves(replicas[1])))
     x = torch.randn(5, 3)
     out, _ = fr.apply(m, replicas[1], x)
     assert torch.equal(out, m(x))
@@ -120,7 +130,7 @@ def test_parameters_and_no_tensor_trees() -> None:
     lin = nn.Linear(2, 2)
     params = dict(lin.named_parameters())
     (same,) = fr.replicate(params, ["cpu"])
-    assert same["weight"] is lin.weight
+    assert shares(same["weight"], lin.weight) and same["weight"].grad_fn is not None
     tree = {"a": 1, "b": [None, "x"]}
     assert fr.replicate(tree, ["cpu", "meta"]) == [tree, tree]
 
@@ -134,19 +144,25 @@ def test_a_state_on_its_device_is_shared_with_new_dicts() -> None:
     for r in replicas:
         assert type(r) is fr.State and r.params is not s.params and r.buffers is not s.buffers
         assert list(r.params) == list(s.params) and list(r.buffers) == list(s.buffers)
-        assert all(r.params[k] is v for k, v in s.params.items())
-        assert all(r.buffers[k] is v for k, v in s.buffers.items())
+        assert all(shares(r.params[k], v) for k, v in s.params.items())
+        assert all(shares(r.buffers[k], v) for k, v in s.buffers.items())
+        assert r.params["tie"] is r.params["0.weight"]  # tied: one object per replica
         r.params["new"] = torch.ones(1)  # each replica's dicts are its own
     assert "new" not in s.params and replicas[0].params is not replicas[1].params
+    firsts = [r.params["0.weight"] for r in replicas]
+    assert len(set(map(id, firsts))) == 3  # and its tensor objects its own
     assert_unchanged(snap)
     # what the general path (a tree that is not a State) builds: the same, up to the node type
     general = fr.replicate(tuple(s), ["cpu"])[0]
     assert list(general[0]) == list(s.params) and all(
-        general[0][k] is v for k, v in s.params.items()
+        shares(general[0][k], v) for k, v in s.params.items()
     )
+    assert general[0]["tie"] is general[0]["0.weight"]
     # a non-tensor leaf, a detached copy or another device: the general path, still a State
     odd = fr.State({"w": torch.ones(2), "n": None}, {})  # type: ignore[dict-item]
-    assert fr.replicate(odd, ["cpu"])[0] == odd
+    (r_odd,) = fr.replicate(odd, ["cpu"])
+    assert type(r_odd) is fr.State and shares(r_odd.params["w"], odd.params["w"])
+    assert r_odd.params["n"] is None
     (meta,) = fr.replicate(s, ["meta"])
     assert type(meta) is fr.State and meta.params["tie"] is meta.params["0.weight"]
     (det,) = fr.replicate(s, ["cpu"], detach=True)
@@ -208,7 +224,10 @@ def test_gradients_under_torch_func_grad_and_vjp() -> None:
 def test_copies_stay_in_the_graph_unless_detach() -> None:
     w = torch.randn(3, requires_grad=True)
     cpu, meta = fr.replicate({"w": w}, ["cpu", "meta"])
-    assert cpu["w"] is w and meta["w"].requires_grad and meta["w"].grad_fn is not None
+    assert shares(cpu["w"], w) and meta["w"].requires_grad and meta["w"].grad_fn is not None
+    assert cpu["w"].requires_grad and cpu["w"].grad_fn is not None  # a view: gradients flow to w
+    (g,) = torch.autograd.grad((cpu["w"] * 2).sum(), w)
+    assert torch.equal(g, torch.full((3,), 2.0))
     cpu, meta = fr.replicate({"w": w}, ["cpu", "meta"], detach=True)
     for r in (cpu, meta):
         assert not r["w"].requires_grad and r["w"].grad_fn is None
@@ -218,6 +237,47 @@ def test_copies_stay_in_the_graph_unless_detach() -> None:
     # tied leaves stay one object per replica when detached too
     cpu, meta = fr.replicate({"x": w, "y": [w]}, ["cpu", "meta"], detach=True)
     assert cpu["x"] is cpu["y"][0] and meta["x"] is meta["y"][0]
+
+
+@pytest.mark.parametrize("devices", [["cpu", "cpu"], ["meta", "cpu", "meta", "cpu"]])
+def test_every_replica_has_tensor_objects_of_its_own(devices: list[str]) -> None:
+    # replicas run in threads of their own: one that sets .grad (or zero_grad()s) must
+    # touch neither the caller's tensor objects nor another replica's (issue 11, item 5)
+    w = torch.randn(3, 2, requires_grad=True)
+    tree = {"w": w, "tied": w, "b": torch.randn(2), "s": fr.State({"v": torch.ones(1)}, {})}
+    w.grad = torch.full_like(w, 7.0)
+    snap = guard(tree)
+    replicas = fr.replicate(tree, devices)
+    objects = [id(t) for r in replicas for t in {id(x): x for x in tensor_leaves(r)}.values()]
+    assert len(objects) == len(set(objects)) == 3 * len(devices)
+    assert not {id(t) for t in tensor_leaves(tree)} & set(objects)
+    for r, d in zip(replicas, devices):
+        assert r["w"] is r["tied"]
+        if d == "cpu":
+            assert all(shares(a, b) for a, b in zip(tensor_leaves(r), tensor_leaves(tree)))
+        r["w"].grad = torch.zeros_like(r["w"])  # what a forward's zero_grad() may do
+    assert torch.equal(w.grad, torch.full_like(w, 7.0))
+    assert_unchanged(snap)
+    # still one graph: every replica's gradient reaches w (and so do detached ones not)
+    loss = sum((r["w"].to("cpu") * (i + 1)).sum() for i, r in enumerate(replicas) if r["w"].is_cpu)
+    (g,) = torch.autograd.grad(loss, w)
+    cpu_ranks = [i + 1 for i, d in enumerate(devices) if d == "cpu"]
+    assert torch.equal(g, torch.full_like(w, float(sum(cpu_ranks))))
+    detached = fr.replicate(tree, devices, detach=True)
+    assert all(not t.requires_grad for r in detached for t in tensor_leaves(r))
+    assert not {id(t) for r in detached for t in tensor_leaves(r)} & set(objects)
+
+
+def test_a_module_is_not_a_tree() -> None:
+    lin = nn.Linear(2, 2)
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.replicate: got a module \(Linear\), which is not a tree of tensors; "
+        r"replicate its state instead: fr\.replicate\(fr\.state\(module\), devices\)$",
+    ):
+        fr.replicate(lin, ["cpu", "cpu"])  # type: ignore[type-var]
+    with pytest.raises(TypeError, match=r"^fr\.replicate: got a module \(Sequential\)"):
+        fr.replicate({"model": nn.Sequential(lin), "x": torch.ones(1)}, ["cpu"])
 
 
 def test_torch_func_grad_with_a_meta_replica_in_the_tree() -> None:
@@ -266,7 +326,10 @@ def test_sparse_leaf_needing_a_copy_names_its_path() -> None:
         fr.replicate(tree, ["cpu", "meta"])
     # on its own device it is shared, nothing to pack
     (same,) = fr.replicate(tree, ["cpu"])
-    assert same["z"][1] is sparse
+    assert (
+        same["z"][1] is not sparse
+        and same["z"][1]._values().data_ptr() == sparse._values().data_ptr()
+    )
 
 
 def test_unmovable_leaf_names_its_path() -> None:
