@@ -7,9 +7,11 @@ order alternated, the median of per-pair ratios.
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -54,38 +56,42 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def ratios(
-    candidates: Sequence[Callable[[], object]],
-    *,
-    pairs: int = 30,
-    warmup: int = 3,
-) -> list[float]:
-    """Median ratio of each candidate's time to ``candidates[0]``'s (the baseline).
+@dataclass
+class Rounds:
+    """Interleaved timings: ``times[r][i]`` is candidate ``i``'s time in round ``r``.
 
-    Every round runs all candidates, rotating which goes first (A B C, B C A,
-    ...); the ratio of each candidate to the baseline is taken within the
-    round, and the median over rounds is returned (the baseline's is 1.0).
+    ``faults[i]`` is candidate ``i``'s minor page faults per call over the
+    same rounds (counted around each call, outside its timing).
     """
+
+    times: list[list[float]]
+    faults: list[float]
+
+    def ratio(self, i: int, j: int = 0) -> float:
+        """The median over rounds of candidate ``i``'s time / candidate ``j``'s in that round."""
+        return statistics.median(t[i] / t[j] for t in self.times)
+
+    def median(self, i: int) -> float:
+        """Candidate ``i``'s median time, in seconds."""
+        return statistics.median(t[i] for t in self.times)
+
+
+def interleave(
+    candidates: Sequence[Callable[[], object]], *, pairs: int = 30, warmup: int = 3
+) -> Rounds:
+    """Time every candidate once a round, rotating which goes first (A B C, B C A, ...)."""
     n = len(candidates)
     for _ in range(warmup):
         for fn in candidates:
             fn()
-    per_round: list[list[float]] = [[] for _ in range(n)]
+    times = []
+    faults = [0] * n
     for r in range(pairs):
-        times = [0.0] * n
+        t = [0.0] * n
         for k in range(n):
             i = (r + k) % n
-            times[i] = timed(candidates[i])
-        for i in range(n):
-            per_round[i].append(times[i] / times[0])
-    return [statistics.median(v) for v in per_round]
-
-
-def median_time(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn) for _ in range(reps))
-
-
-def row(label: str, values: Sequence[float], fmt: str = "{:>10.3f}") -> str:
-    return f"{label:<44}" + "".join(fmt.format(v) for v in values)
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t[i] = timed(candidates[i])
+            faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        times.append(t)
+    return Rounds(times, [f / pairs for f in faults])

@@ -26,11 +26,8 @@ Run: ``.venv/bin/python -m benchmarks.bench_core`` (``--quick`` for a smoke run)
 
 from __future__ import annotations
 
-import argparse
 import copy
-import resource
-import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,44 +36,20 @@ from torch import nn
 
 import freplicate as fr
 
-from ._common import MODELS, build, row, timed
+from ._common import MODELS, Rounds, build, interleave
+from ._report import Row, command
 
-TARGETS = {
-    "fr.apply / module(x)": "<= 1.10 (many_small, small_mlp)",
-    "fr.grad_and_value / torch.func": "<= 0.60 (many_small)",
-    "fr.grad_and_value / stateful": "<= 1.15 (worst model)",
-    "fr.replicate / deepcopy": "<= 0.01",
-}
+NAME = "core"
+TITLE = (
+    "core: fr.apply, fr.grad_and_value and fr.replicate beside module(x), torch.func, "
+    "a stateful step and copy.deepcopy"
+)
 
-
-def round_times(
-    candidates: Sequence[Callable[[], object]], *, pairs: int, warmup: int
-) -> tuple[list[list[float]], list[float]]:
-    """``times[r][i]``: candidate ``i``'s time in round ``r``, the order rotated each round.
-
-    ``_common.ratios`` gives ratios to one baseline; these rounds also give the
-    ratio of any two sides measured side by side. Also returns each candidate's
-    minor page faults per call over the same rounds (counted outside the timing).
-    """
-    n = len(candidates)
-    for _ in range(warmup):
-        for fn in candidates:
-            fn()
-    times = []
-    faults = [0] * n
-    for r in range(pairs):
-        t = [0.0] * n
-        for k in range(n):
-            i = (r + k) % n
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t[i] = timed(candidates[i])
-            faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        times.append(t)
-    return times, [f / pairs for f in faults]
-
-
-def median_ratio(times: list[list[float]], i: int, j: int) -> float:
-    return statistics.median(t[i] / t[j] for t in times)
+# The targets (issue 6), each on the models it was set for.
+APPLY = 1.10  # fr.apply / module(x), many_small and small_mlp
+GRAD_VS_FUNC = 0.60  # fr.grad_and_value / torch.func.grad_and_value, many_small
+GRAD_VS_STATEFUL = 1.15  # fr.grad_and_value / stateful, the worst model: so every model
+REPLICATE = 0.01  # fr.replicate / 4 x deepcopy
 
 
 def check(ok: bool, what: str) -> None:
@@ -174,55 +147,42 @@ def replicate_sides(model: nn.Module) -> list[Callable[[], Any]]:
     return sides
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke run with few rounds")
-    args = parser.parse_args(argv)
-    pairs, warmup = (3, 1) if args.quick else (40, 5)
-    torch.set_num_threads(1)
-    print(f"bench_core: torch {torch.__version__}, 1 thread, {pairs} interleaved rounds")
-    print("ratios: median over rounds of each side's time / the baseline's (lower is faster)\n")
+def _row(model: str, measure: str, t: Rounds, i: int, j: int, target: float | None = None) -> Row:
+    """Side ``i`` against side ``j`` of one interleaved run; page faults where either had some."""
+    faults = t.faults[i] if t.faults[i] or t.faults[j] else None
+    return Row(NAME, measure, model, t.median(i), t.median(j), t.ratio(i, j), target, faults)
 
-    fwd: dict[str, list[float]] = {}
-    grad: dict[str, list[float]] = {}
-    rep: dict[str, list[float]] = {}
-    faults: dict[str, list[float]] = {}
+
+def run(quick: bool = False) -> list[Row]:
+    """Every model's forward, gradient and replication rows."""
+    pairs, warmup = (3, 1) if quick else (40, 5)
+    torch.set_num_threads(1)
+    rows: list[Row] = []
     for name in MODELS:
         model, x, y = build(name)
         with torch.no_grad():
-            sides = forward_sides(model, x)
-            t, _ = round_times(sides, pairs=pairs, warmup=warmup)
-        fwd[name] = [median_ratio(t, i, 0) for i in range(3)]
-        sides = grad_sides(model, x, y)
-        t, faults[name] = round_times(sides, pairs=pairs, warmup=warmup)
-        grad[name] = [median_ratio(t, i, 0) for i in range(4)] + [median_ratio(t, 1, 2)]
-        sides = replicate_sides(model)
-        t, _ = round_times(sides, pairs=pairs, warmup=warmup)
-        rep[name] = [median_ratio(t, 1, 0)]
+            t = interleave(forward_sides(model, x), pairs=pairs, warmup=warmup)
+        small = name in ("many_small", "small_mlp")
+        rows.append(_row(name, "fr.apply / module(x)", t, 1, 0, APPLY if small else None))
+        rows.append(_row(name, "torch.func.functional_call / module(x)", t, 2, 0))
 
-    header = "".join(f"{m:>12}" for m in MODELS)
-    fmt = "{:>12.3f}"
-    print(f"{'forward (no_grad), vs module(x)':<44}{header}")
-    for i, label in enumerate(("module(x)", "fr.apply", "torch.func.functional_call")):
-        print(row("  " + label, [fwd[m][i] for m in MODELS], fmt))
-    print(f"\n{'gradient of cross_entropy, vs stateful':<44}{header}")
-    labels = (
-        "stateful fwd+backward",
-        "fr.grad_and_value",
-        "torch.func.grad_and_value (via fr.apply)",
-        "autograd.grad via functional_call",
-        "fr.grad_and_value / torch.func (same rounds)",
-    )
-    for i, label in enumerate(labels):
-        print(row("  " + label, [grad[m][i] for m in MODELS], fmt))
-    print(f"\n{'minor page faults per call, same rounds':<44}{header}")
-    for i, label in enumerate(labels[:4]):
-        print(row("  " + label, [faults[m][i] for m in MODELS], "{:>12.0f}"))
-    print(f"\n{'replication onto 4 x cpu, vs 4 deepcopies':<44}{header}")
-    print(row("  fr.replicate(state, ['cpu'] * 4)", [rep[m][0] for m in MODELS], "{:>12.5f}"))
-    print("\ntargets (issue 6):")
-    for figure, target in TARGETS.items():
-        print(f"  {figure:<36}{target}")
+        t = interleave(grad_sides(model, x, y), pairs=pairs, warmup=warmup)
+        stateful = "stateful fwd+backward"
+        rows.append(_row(name, f"fr.grad_and_value / {stateful}", t, 1, 0, GRAD_VS_STATEFUL))
+        rows.append(_row(name, f"torch.func.grad_and_value / {stateful}", t, 2, 0))
+        rows.append(_row(name, f"autograd.grad via functional_call / {stateful}", t, 3, 0))
+        target = GRAD_VS_FUNC if name == "many_small" else None
+        measure = "fr.grad_and_value / torch.func.grad_and_value"
+        rows.append(_row(name, measure, t, 1, 2, target))
+
+        t = interleave(replicate_sides(model), pairs=pairs, warmup=warmup)
+        measure = "fr.replicate onto 4 x cpu / 4 x copy.deepcopy"
+        rows.append(_row(name, measure, t, 1, 0, REPLICATE))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    command(TITLE, run, argv)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ import argparse
 import os
 import resource
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -47,10 +46,20 @@ import torch.nn.functional as F
 import freplicate as fr
 from freplicate.testing import init_loopback_group
 
-from ._common import MODELS, build
+from ._common import MODELS, Rounds, build
+from ._report import Row, show
 
+NAME = "distributed"
+TITLE = (
+    "distributed: 2 gloo ranks on 127.0.0.1, a training step and a 400-leaf all_reduce, "
+    "fr.distributed beside DistributedDataParallel and dist.all_reduce; "
+    "a step's time is the slowest rank's"
+)
 LR = 0.01
+# The targets (issue 6): an SGD step with fr.distributed.grad_and_value / a DDP step, per model,
+# and fr.distributed.all_reduce of the 400-leaf tree / one flat dist.all_reduce.
 TARGETS = {"many_small": 0.85, "small_mlp": 1.00, "mid_mlp": 1.00}
+ALL_REDUCE = 1.10
 
 
 def _fr_side(
@@ -138,20 +147,20 @@ def _round_times(fn: Callable[[], Any], steps: int) -> float:
     return float(times.median())
 
 
-def _ratios(sides: list[Callable[[], Any]], rounds: int, steps: int) -> list[float]:
+def _rounds(sides: list[Callable[[], Any]], rounds: int, steps: int) -> Rounds:
+    """Every side's time in every round (its median step, the slowest rank's), order rotated."""
     for fn in sides:  # warm-up: plans, buffers, allocator, gloo pairs
         for _ in range(2):
             fn()
-    per: list[list[float]] = [[] for _ in sides]
     n = len(sides)
+    times = []
     for r in range(rounds):
         t = [0.0] * n
         for k in range(n):
             i = (r + k) % n
             t[i] = _round_times(sides[i], steps)
-        for i in range(n):
-            per[i].append(t[i] / t[0])
-    return [statistics.median(v) for v in per]
+        times.append(t)
+    return Rounds(times, [])
 
 
 def _agree(sides: dict[str, Callable[[], Any]], steps: int = 3) -> float:
@@ -177,7 +186,7 @@ def _faults(fn: Callable[[], Any], steps: int = 5) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
-def _bench_step(name: str, rounds: int, steps: int) -> tuple[list[float], list[float]]:
+def _bench_step(name: str, rounds: int, steps: int) -> tuple[Rounds, list[float]]:
     model, x, y = build(name)
     # fresh sides for the agreement check (they train), then fresh ones to time
     check = {
@@ -198,10 +207,10 @@ def _bench_step(name: str, rounds: int, steps: int) -> tuple[list[float], list[f
         _fr_side(model, x, y, check=False),
         _naive_side(model, x, y),
     ]
-    return _ratios(sides, rounds, steps), [_faults(fn) for fn in sides]
+    return _rounds(sides, rounds, steps), [_faults(fn) for fn in sides]
 
 
-def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
+def _bench_all_reduce(rounds: int, steps: int) -> Rounds:
     model, _, _ = build("many_small")
     tree = {k: v.clone() for k, v in fr.state(model).params.items()}
     flat = torch.cat([t.reshape(-1) for t in tree.values()])
@@ -210,7 +219,7 @@ def _bench_all_reduce(rounds: int, steps: int) -> list[float]:
     dist.all_reduce(ref)
     if not torch.equal(torch.cat([reduced[k].reshape(-1) for k in tree]), ref):
         raise AssertionError("fr.distributed.all_reduce disagrees with dist.all_reduce")
-    return _ratios(
+    return _rounds(
         [
             lambda: dist.all_reduce(flat),
             lambda: fr.distributed.all_reduce(tree),
@@ -226,7 +235,7 @@ def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
     if args.pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})  # its gloo threads inherit it
     init_loopback_group(store, rank, 2, timeout=120)
-    rows = {}
+    rows: dict[str, Any] = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
     for name in args.models:
         rows[name] = _bench_step(name, args.rounds, args.steps)
@@ -236,21 +245,30 @@ def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
-    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="let the OS place the ranks (default: rank r pinned to core r)",
+STEP_SIDES = (
+    "DDP",
+    "composable replicate",
+    "fr.distributed.grad_and_value",
+    "fr.distributed, check=False",
+    "naive fr, one flat all_reduce",
+)
+
+
+def run(
+    quick: bool = False,
+    *,
+    models: tuple[str, ...] = MODELS,
+    rounds: int | None = None,
+    steps: int | None = None,
+    pin: bool = True,
+) -> list[Row]:
+    """Spawn the two ranks, run every side on each, and return rank 0's rows."""
+    args = argparse.Namespace(
+        models=list(models),
+        rounds=rounds or (4 if quick else 15),
+        steps=steps or (2 if quick else 3),
+        pin=pin,
     )
-    args = parser.parse_args()
-    args.rounds = args.rounds or (4 if args.quick else 15)
-    args.steps = args.steps or (2 if args.quick else 3)
     tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -261,33 +279,47 @@ def main() -> None:
     for p in procs:
         p.start()
     try:
-        rows = out.get(timeout=3600)  # a rank that died never answers: give up, never hang
+        results = out.get(timeout=3600)  # a rank that died never answers: give up, never hang
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
-    print(
-        f"2 gloo ranks on 127.0.0.1, 1 thread each, torch {torch.__version__}; "
-        f"{args.rounds} rounds x {args.steps} steps; median ratios (lower is better)"
-    )
-    head = f"{'replicate':>11}{'fr':>8}{'check=False':>13}{'naive':>8}"
-    print(f"{'SGD step / DDP step':<24}{head}{'target(fr)':>12}")
+    rows = []
     for name in args.models:
-        _, rep, frr, nocheck, naive = rows[name][0]
-        print(
-            f"{name:<24}{rep:>11.3f}{frr:>8.3f}{nocheck:>13.3f}{naive:>8.3f}{TARGETS[name]:>12.2f}"
-        )
-    print(f"{'page faults / step':<24}{'ddp':>8}{head}  (rank 0)")
-    for name in args.models:
-        widths = (8, 11, 8, 13, 8)
-        print(f"{name:<24}" + "".join(f"{f:>{w}.0f}" for f, w in zip(rows[name][1], widths)))
-    _, ar, ar_nocheck = rows["all_reduce"]
-    print(
-        f"fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce: {ar:.3f} "
-        f"(check=False: {ar_nocheck:.3f}); target 1.10"
+        t, faults = results[name]
+        for i in range(1, len(STEP_SIDES)):
+            measure = f"SGD step: {STEP_SIDES[i]} / DDP"
+            target = TARGETS[name] if i == 2 else None
+            rows.append(
+                Row(NAME, measure, name, t.median(i), t.median(0), t.ratio(i), target, faults[i])
+            )
+    t = results["all_reduce"]
+    flat = "one flat dist.all_reduce"
+    for i, side, target in ((1, "", ALL_REDUCE), (2, ", check=False", None)):
+        measure = f"fr.distributed.all_reduce (400 leaves){side} / {flat}"
+        rows.append(Row(NAME, measure, "many_small", t.median(i), t.median(0), t.ratio(i), target))
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=TITLE)
+    parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let the OS place the ranks (default: rank r pinned to core r)",
     )
+    args = parser.parse_args(argv)
+    rows = run(
+        args.quick, models=tuple(args.models), rounds=args.rounds, steps=args.steps, pin=args.pin
+    )
+    show(TITLE, rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ Before timing, each side runs three SGD steps from the same initial
 parameters and must end with the same parameters. On a machine with CUDA,
 ``fr.data_parallel`` is also timed against ``nn.DataParallel`` (forward and
 backward on every GPU). Ratios are the median over interleaved rounds with
-the order rotated (``_common.ratios``); lower is faster.
+the order rotated (``_common.interleave``); lower is faster.
 
 Run: ``.venv/bin/python -m benchmarks.bench_parallel`` (``--quick`` for a
 smoke run).
@@ -23,7 +23,6 @@ smoke run).
 
 from __future__ import annotations
 
-import argparse
 import copy
 from collections.abc import Callable
 from typing import Any
@@ -34,7 +33,13 @@ from torch import nn
 
 import freplicate as fr
 
-from ._common import MODELS, build, ratios
+from ._common import MODELS, build, interleave
+from ._report import Row, command
+
+NAME = "parallel"
+TITLE = (
+    "parallel: fr.data_parallel_grad on 1 and 2 CPU replicas beside one torch.func gradient step"
+)
 
 Step = Callable[[dict[str, torch.Tensor], torch.Tensor, torch.Tensor], tuple[Any, Any]]
 
@@ -47,7 +52,7 @@ def sides(model: nn.Module) -> dict[str, Step]:
         return F.cross_entropy(torch.func.functional_call(model, p, (x,)), y)
 
     return {
-        "torch.func grad_and_value": torch.func.grad_and_value(func_loss),
+        "torch.func.grad_and_value": torch.func.grad_and_value(func_loss),
         "fr.data_parallel_grad [cpu]": fr.data_parallel_grad(fr_loss, ["cpu"]),
         "fr.data_parallel_grad [cpu, cpu]": fr.data_parallel_grad(fr_loss, ["cpu", "cpu"]),
     }
@@ -71,16 +76,21 @@ def check_agree(steps: dict[str, Step], params: dict[str, torch.Tensor], x: Any,
                 raise SystemExit(f"{name} and {ref_name} disagree at {k!r} after 3 SGD steps")
 
 
-def cpu_ratios(model_name: str, pairs: int, warmup: int) -> list[float]:
+def cpu_rows(model_name: str, pairs: int, warmup: int) -> list[Row]:
     model, x, y = build(model_name)
     params = fr.state(model).params
     steps = sides(model)
     check_agree(steps, params, x, y)
     calls = [lambda s=s: s(params, x, y) for s in steps.values()]
-    return ratios(calls, pairs=pairs, warmup=warmup)
+    t = interleave(calls, pairs=pairs, warmup=warmup)
+    names = list(steps)
+    return [
+        Row(NAME, f"{names[i]} / {names[0]}", model_name, t.median(i), t.median(0), t.ratio(i))
+        for i in (1, 2)
+    ]
 
 
-def cuda_ratio(model_name: str, pairs: int, warmup: int) -> float:
+def cuda_row(model_name: str, pairs: int, warmup: int) -> Row:
     ids = list(range(torch.cuda.device_count()))
     model, x, y = build(model_name)
     model, x, y = model.cuda(), x.cuda(), y.cuda()
@@ -98,27 +108,22 @@ def cuda_ratio(model_name: str, pairs: int, warmup: int) -> float:
         torch.autograd.grad(F.cross_entropy(out, y), list(params.values()))
         torch.cuda.synchronize()
 
-    return ratios([stateful, functional], pairs=pairs, warmup=warmup)[1]
+    t = interleave([stateful, functional], pairs=pairs, warmup=warmup)
+    measure = f"fr.data_parallel / nn.DataParallel, fwd+bwd on {len(ids)} GPUs"
+    return Row(NAME, measure, model_name, t.median(1), t.median(0), t.ratio(1))
+
+
+def run(quick: bool = False) -> list[Row]:
+    torch.set_num_threads(1)
+    pairs, warmup = (3, 1) if quick else (30, 3)
+    rows = [r for name in MODELS for r in cpu_rows(name, pairs, warmup)]
+    if torch.cuda.is_available():
+        rows += [cuda_row(name, pairs, warmup) for name in MODELS]
+    return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few rounds only (smoke run)")
-    args = parser.parse_args(argv)
-    torch.set_num_threads(1)
-    pairs, warmup = (3, 1) if args.quick else (30, 3)
-    names = list(sides(nn.Linear(1, 1)))
-    print("CPU: time of a gradient step relative to torch.func (median of per-round ratios)")
-    print(f"{'model':<14}" + "".join(f"{n:>34}" for n in names))
-    for model_name in MODELS:
-        r = cpu_ratios(model_name, pairs, warmup)
-        print(f"{model_name:<14}" + "".join(f"{v:>34.2f}" for v in r))
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        print(f"\nCUDA ({torch.cuda.get_device_name(0)} x {n}): forward + backward,")
-        print("time of fr.data_parallel relative to nn.DataParallel")
-        for model_name in MODELS:
-            print(f"{model_name:<14}{cuda_ratio(model_name, pairs, warmup):>10.2f}")
+    command(TITLE, run, argv)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-BENCHMARKS = ("bench_core", "bench_parallel", "bench_distributed")
+BENCHMARKS = ("core", "parallel", "distributed")  # benchmarks/bench_<name>.py
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36,10 +36,66 @@ def _parser() -> argparse.ArgumentParser:
         "under torch.compile beside the eager one. Prints a table and saves a plot.",
     )
     add_arguments(demo)
-    bench = sub.add_parser("bench", help="run the benchmarks of a source checkout (benchmarks/)")
-    bench.add_argument("--quick", action="store_true", help="a fast smoke run with few repeats")
-    bench.add_argument("names", nargs="*", default=list(BENCHMARKS))
+    bench = sub.add_parser(
+        "bench",
+        help="time freplicate beside the stateful designs (from a source checkout)",
+        description="Time freplicate beside PyTorch's stateful designs and torch.func, side by "
+        "side in interleaved rounds, after checking that both sides agree. Prints, per "
+        "benchmark, each measure's absolute times beside its ratio and, where the project set "
+        "one, its target (met or missed), and saves a plot of the ratios against their targets. "
+        "Needs the benchmarks/ folder of a source checkout.",
+    )
+    bench.add_argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help=f"the benchmarks to run: {', '.join(BENCHMARKS)} (default: all)",
+    )
+    bench.add_argument("--quick", action="store_true", help="a smoke run with few rounds")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench_out"),
+        help="where the plot goes (default bench_out)",
+    )
     return parser
+
+
+def _bench(args: argparse.Namespace) -> int:
+    names = [n.removeprefix("bench_") for n in args.names] or list(BENCHMARKS)
+    unknown = [n for n in names if n not in BENCHMARKS]
+    if unknown:
+        print(
+            f"freplicate bench: error: unknown benchmark {unknown[0]!r}; "
+            f"choose from {', '.join(BENCHMARKS)}",
+            file=sys.stderr,
+        )
+        return 2
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "_report.py").exists():
+        print(
+            "freplicate bench: error: benchmarks/ is not installed; run it from a source checkout",
+            file=sys.stderr,
+        )
+        return 2
+    sys.path.insert(0, str(root))
+    # imported, not run as __main__: spawned ranks must find their worker by module name
+    report = importlib.import_module("benchmarks._report")
+    print(report.machine())
+    print(report.LEGEND)
+    rows = []
+    for name in names:
+        module = importlib.import_module(f"benchmarks.bench_{name}")
+        got = module.run(quick=args.quick)
+        print(f"\n{module.TITLE}")
+        print("\n".join(report.lines(got)), flush=True)
+        rows += got
+    print()
+    print("\n".join(report.summary(rows)))
+    print(f"plot: {report.plot(rows, args.out / 'ratios.png')}")
+    if args.quick:
+        print("(--quick: a smoke run of few rounds, not a measurement)")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,17 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         except DemoError as exc:
             print(f"freplicate demo: error: {exc}", file=sys.stderr)
             return 2
-    root = Path(__file__).resolve().parent.parent
-    if not (root / "benchmarks" / "_common.py").exists():
-        print("freplicate bench: run it from a source checkout (benchmarks/ is not installed)")
-        return 2
-    sys.path.insert(0, str(root))
-    for name in args.names:
-        # imported, not run as __main__: spawned ranks must find their worker by module name
-        module = importlib.import_module(f"benchmarks.{name}")
-        sys.argv = [name] + (["--quick"] if args.quick else [])
-        module.main()
-    return 0
+    return _bench(args)
 
 
 if __name__ == "__main__":

@@ -1,36 +1,138 @@
-"""``python -m freplicate bench --quick``: every benchmark runs, and its sides agree before timing.
+"""``freplicate bench``: every benchmark runs, its sides agree, and its report reads as promised.
 
 Each benchmark checks its sides against the stateful path (same losses,
 gradients, replicas, parameters after a few steps) and raises if they
-differ; this smoke run keeps those checks, and the command, working. The
-figures it prints are not asserted (speed is measured, never tested).
+differ; the smoke run (``--quick``) keeps those checks, and the command,
+working. The figures are not asserted (speed is measured, never tested):
+only the report's shape is, that every row gives both absolute times, the
+ratio, and its target with met or missed, in aligned columns, and that the
+plot is written.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from freplicate.__main__ import main
+
 ROOT = Path(__file__).resolve().parent.parent
+HEADER = "measure (side / baseline)"
 
 
-def test_quick_bench_runs_every_benchmark() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "freplicate", "bench", "--quick"],
+def _freplicate(*args: str, timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "freplicate", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=timeout,
     )
+
+
+def _tables(out: str) -> list[list[str]]:
+    """Each table's lines: the header, its rule, its rows (up to the blank line after them)."""
+    lines = out.splitlines()
+    tables = []
+    for i, line in enumerate(lines):
+        if line.startswith(HEADER):
+            end = lines.index("", i) if "" in lines[i:] else len(lines)
+            tables.append(lines[i:end])
+    return tables
+
+
+def _columns(rule: str) -> list[tuple[int, int]]:
+    return [m.span() for m in re.finditer(r"-+", rule)]
+
+
+@pytest.fixture(scope="module")
+def quick_bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("bench")
+    run = _freplicate("bench", "--quick", "--out", str(out))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout, out
+
+
+def test_every_benchmark_runs_and_reports_each_target(quick_bench: tuple[str, Path]) -> None:
+    out, _ = quick_bench
+    tables = _tables(out)
+    assert [t for t in out.splitlines() if t.startswith(("core:", "parallel:", "distributed:"))]
+    assert len(tables) == 3, out
+    measures = {row.split("  ")[0] for table in tables for row in table[2:]}
     for expected in (
-        "fr.apply",  # bench_core
-        "fr.data_parallel_grad",  # bench_parallel
-        "SGD step / DDP step",  # bench_distributed
-        "fr.distributed.all_reduce (400 leaves)",
+        "fr.apply / module(x)",
+        "fr.grad_and_value / torch.func.grad_and_value",
+        "fr.data_parallel_grad [cpu, cpu] / torch.func.grad_and_value",
+        "SGD step: fr.distributed.grad_and_value / DDP",
+        "fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce",
     ):
-        assert expected in run.stdout, run.stdout[-3000:]
+        assert expected in measures, measures
+    assert re.search(r"^targets: \d+ met, \d+ missed \(of 13\)$", out, re.M), out
+
+
+def test_the_tables_are_aligned_with_times_ratios_and_targets(
+    quick_bench: tuple[str, Path],
+) -> None:
+    out, _ = quick_bench
+    for table in _tables(out):
+        header, rule, rows = table[0], table[1], table[2:]
+        spans = _columns(rule)
+        names = [header[a:b].strip() for a, b in spans]
+        assert names[:7] == [
+            HEADER,
+            "model",
+            "side ms",
+            "baseline ms",
+            "ratio",
+            "target",
+            "status",
+        ], names
+        assert rows
+        for row in rows:
+            cells = [row[a:b].strip() for a, b in spans]
+            # nothing spills outside its column: the gaps between columns are blank
+            gaps = [row[b:a] for (_, b), (a, _) in itertools.pairwise(spans)]
+            assert all(not g.strip() for g in gaps), row
+            side, base, ratio = (float(c) for c in cells[2:5])
+            assert side > 0 and base > 0 and ratio > 0, row
+            target, status = cells[5], cells[6]
+            if target == "-":
+                assert status == "-", row
+            else:
+                limit = float(target.removeprefix("<= "))
+                assert status == ("met" if ratio <= limit else "missed"), row
+
+
+def test_the_plot_is_written(quick_bench: tuple[str, Path]) -> None:
+    out, where = quick_bench
+    png = where / "ratios.png"
+    assert f"plot: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_an_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "core", "nonesuch"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "freplicate bench: error: unknown benchmark 'nonesuch'; "
+        "choose from core, parallel, distributed"
+    ]
+
+
+@pytest.mark.parametrize("args", [["--help"], ["bench", "--help"], ["demo", "--help"]])
+def test_help_is_plain_text(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: freplicate")
+    assert "``" not in out and ":func:" not in out and ".. " not in out, out
 
 
 def test_all_reduce_profile_runs() -> None:
