@@ -134,14 +134,6 @@ def test_bad_options_are_one_line_errors(
     assert lines[0].startswith("freplicate demo: error: ")
 
 
-def test_help_is_plain_text(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", "--help"])
-    assert exc.value.code == 0
-    out = capsys.readouterr().out
-    assert "--devices" in out and "``" not in out and ":func:" not in out
-
-
 def test_functional_adamw_is_torch_adamw_bit_for_bit() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
