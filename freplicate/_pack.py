@@ -194,6 +194,8 @@ def move_each(
 ) -> list[torch.Tensor]:
     """``tensors[i]`` onto ``targets[i]``, coalesced per target device; those already there as is.
 
+    Sparse tensors, which cannot be packed, move one by one.
+
     >>> t = torch.ones(2)
     >>> out = move_each([t, t], [torch.device("cpu"), torch.device("meta")], paths=["a", "b"],
     ...                 caller="f")
@@ -202,6 +204,11 @@ def move_each(
     """
     out = list(tensors)
     away = [i for i in range(len(tensors)) if tensors[i].device != targets[i]]
+    if any(tensors[i].layout != torch.strided for i in away):
+        for i in away:  # sparse tensors cannot be packed: each moves on its own
+            if tensors[i].layout != torch.strided:
+                out[i] = tensors[i].to(targets[i])
+        away = [i for i in away if tensors[i].layout == torch.strided]
     for device, idx in group_by(away, targets.__getitem__).items():
         moved = _broadcast(
             [tensors[away[k]] for k in idx],

@@ -878,6 +878,81 @@ def pools_release(rank: int) -> dict[str, Any]:
     return {"live": live, "spare": spare, "freed": before - after, "plans": len(planning._PLANS)}
 
 
+# --- sparse gradients against DDP (issue 11, item 4) -------------------------------------
+
+
+class SparseNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.bag = nn.EmbeddingBag(10, 4, sparse=True, mode="sum")
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx).mean(1) + self.bag(idx))
+
+
+def dense(tree: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to_dense() if v.is_sparse else v for k, v in tree.items()}
+
+
+@scenario
+def sparse_against_ddp(rank: int) -> dict[str, Any]:
+    """nn.Embedding / nn.EmbeddingBag(sparse=True) trained with fr.distributed.grad_and_value
+    and with DDP: the same reduced (sparse) gradients, step by step; sparse leaves in all_reduce
+    and broadcast."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = SparseNet()
+    ddp = DistributedDataParallel(copy.deepcopy(model))
+    params = fr.state(model).params
+
+    def loss_fn(p: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out, _ = fr.apply(model, fr.State(p, {}), x)
+        return F.cross_entropy(out, y)
+
+    steps = []
+    for op in ("mean", "sum"):
+        g = fr.distributed.grad_and_value(loss_fn, op=op)
+        for i in range(3):
+            gen = torch.Generator().manual_seed(100 * rank + i)
+            x, y = (
+                torch.randint(0, 10, (6, 3), generator=gen),
+                torch.randint(0, 2, (6,), generator=gen),
+            )
+            grads, _ = g(params, x, y)
+            ddp.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            want = {k: p.grad for k, p in ddp.module.named_parameters()}
+            if op == "sum":  # DDP averages: its sum is the mean times the world size
+                want = {k: v * WORLD for k, v in want.items()}
+            steps.append((dense(grads), dense(want), {k: v.layout for k, v in grads.items()}))
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+            with torch.no_grad():
+                for k, p in ddp.module.named_parameters():
+                    p.add_(want[k], alpha=-0.1)
+    e = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.full((2, 2), rank + 1.0), (5, 2))
+    tree = {"e": e, "w": torch.full((3,), rank + 1.0)}
+    snap_e = e.coalesce().values().clone()
+    reduced = {op: dense(fr.distributed.all_reduce(tree, op=op)) for op in ("sum", "mean")}
+    sent = fr.distributed.broadcast(tree, src=1)
+    return {
+        "steps": steps,
+        "reduced": reduced,
+        "mine": dense(tree),
+        "everyone": [dense(w) for w in gather_all(tree)],
+        "broadcast": dense(sent),
+        "unchanged": torch.equal(e.coalesce().values(), snap_e),
+    }
+
+
+def gather_all(tree: Any) -> list[Any]:
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, tree)
+    return everyone
+
+
 # --- a rank that dies -----------------------------------------------------------------
 
 

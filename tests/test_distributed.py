@@ -469,6 +469,24 @@ def test_pools_keep_one_spare_and_clear_caches_frees_them(job):
         assert r["plans"] == 0
 
 
+# --- sparse gradients (issue 11, item 4) ------------------------------------------------
+
+
+def test_sparse_gradients_equal_ddp(job):
+    for r in ok(job, "sparse_against_ddp"):
+        assert len(r["steps"]) == 6
+        for got, want, layouts in r["steps"]:
+            close(got, want, rtol=1e-6, atol=1e-7)
+            assert layouts["emb.weight"] == layouts["bag.weight"] == torch.sparse_coo
+            assert layouts["fc.weight"] == torch.strided
+        a, b = r["everyone"]
+        close(r["reduced"]["sum"], {k: a[k] + b[k] for k in a}, rtol=0, atol=0)
+        close(r["reduced"]["mean"], {k: (a[k] + b[k]) / 2 for k in a}, rtol=0, atol=0)
+        close(r["broadcast"], b, rtol=0, atol=0)
+        assert r["unchanged"]
+    close(*[r["steps"][-1][0] for r in job["sparse_against_ddp"]], rtol=0, atol=0)
+
+
 # --- no process group -------------------------------------------------------------------
 
 
@@ -506,3 +524,26 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     assert order == names[::-1]
     # and the user's dict comes back with its own key order
     assert list(planning.rebuild_tree(plan, list(tree.values()), [tree[n] for n in names])) == names
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: fr.distributed.all_reduce({"w": torch.ones(2)}),
+        lambda: fr.distributed.broadcast({"w": torch.ones(2)}),
+        lambda: fr.distributed.sync_buffers({"w": torch.ones(2)}),
+        lambda: fr.distributed.grad_and_value(lambda p: p["w"].sum())({"w": torch.ones(2)}),
+    ],
+    ids=["all_reduce", "broadcast", "sync_buffers", "grad_and_value"],
+)
+def test_launched_without_a_process_group_raises(monkeypatch, call):
+    # under torchrun (WORLD_SIZE > 1) with no process group, each rank would train alone
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(
+        RuntimeError,
+        match=r"^fr\.distributed\.\w+: WORLD_SIZE=2 in the environment .* call "
+        r"torch\.distributed\.init_process_group\(\) first",
+    ):
+        call()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    call()  # one process: nothing to do

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import pickle
 import weakref
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import optree
 import torch
 import torch.distributed as dist
 
-from .._tree import NAMESPACE, describe, paths_of, structure_difference
+from .._tree import NAMESPACE, LazyPaths, describe, structure_difference
 from .._typing import TensorTree
 from .group import comm_device, world_size
 from .plan import FAILED, FLAGS, KNOWN, OFF, ON, FirstCollective, Plan
@@ -40,6 +41,7 @@ __all__ = [
     "mismatch",
     "probe",
     "record",
+    "sparse_gradients",
     "verify",
 ]
 
@@ -60,15 +62,17 @@ class _History:
     Identical on every rank: it changes only after a collective verdict
     (``record``). ``known``: the last ``KNOWN`` layouts, most recent first;
     ``after``: the layout that followed each of them last time; ``last``:
-    the latest.
+    the latest; ``sparse``: the parameter layouts whose gradients came out
+    sparse (``grad_and_value`` reduces those after the backward pass).
     """
 
-    __slots__ = ("__weakref__", "after", "known", "last")
+    __slots__ = ("__weakref__", "after", "known", "last", "sparse")
 
     def __init__(self) -> None:
         self.known: list[Agreed] = []
         self.after: dict[int, int] = {}
         self.last: int | None = None
+        self.sparse: set[int] = set()
 
     def expected(self) -> Agreed | None:
         """The layout predicted for the next call: what followed the latest last time, or it."""
@@ -93,6 +97,11 @@ def _history(group: Any) -> _History:
     if history is None:
         history = _HISTORY[key] = _History()
     return history
+
+
+def sparse_gradients(group: Any) -> set[int]:
+    """The fingerprints of the parameter layouts whose gradients are sparse, the same on every rank."""
+    return _history(group).sparse
 
 
 def record(plan: Plan, group: Any) -> None:
@@ -136,7 +145,7 @@ def mismatch(plan: Plan, tree: TensorTree, group: Any, caller: str) -> None:
     except Exception:  # a node type that does not pickle: compare the spec text only
         skeleton = None
     everyone = _gather((skeleton, plan.description, caller), group, caller)
-    raise ValueError(f"{caller}: {_mismatch(everyone, plan.spec)}")
+    raise ValueError(f"{caller}: {_mismatch(everyone, LazyPaths(plan.spec, plan.unique))}")
 
 
 def _render(node: Any) -> str:
@@ -210,7 +219,7 @@ def _mirror(first: FirstCollective, *, on_known: int, failed: bool, group: Any) 
     return flags
 
 
-def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
+def _mismatch(everyone: list[Any], paths: Sequence[str]) -> str:
     """Text naming the first difference between rank 0's layout and another rank's."""
     _, (spec0, sig0, slot0, opts0), caller0 = everyone[0]
     for r in range(1, len(everyone)):
@@ -241,8 +250,12 @@ def _mismatch(everyone: list[Any], spec: optree.PyTreeSpec) -> str:
                 + "; every rank must pass a tree of the same structure"
             )
         if sig_r != sig0:
-            paths = paths_of(spec)
             for k, (a, b) in enumerate(zip(sig0, sig_r)):
+                if a[3] != b[3]:
+                    return (
+                        f"the tensor at {paths[k]} differs across ranks: layout {a[3]} on rank "
+                        f"0, {b[3]} on rank {r}; every rank must pass tensors of the same layouts"
+                    )
                 if a != b:
                     return (
                         f"the tensor at {paths[k]} differs across ranks: shape {a[0]}, dtype "

@@ -34,7 +34,9 @@ def all_reduce(
     same layout. Leaves are packed per (device, dtype) into buckets of at
     most ``bucket_cap_mb`` (in the reverse order of the leaves, as DDP
     buckets gradients); every bucket is in flight at once, all are waited on
-    at the end. ``compress="bf16"`` or ``"fp16"`` sends floating-point
+    at the end. Sparse COO leaves (the gradients of ``nn.Embedding(sparse=True)``)
+    are reduced one by one and stay sparse, as DDP reduces them.
+    ``compress="bf16"`` or ``"fp16"`` sends floating-point
     buckets in that dtype (divided by the world size first for ``"mean"``,
     as DDP's compression hooks) and returns leaves in their own dtype.
     Boolean leaves reduce with ``op="sum"`` to their logical or. Non-tensor
@@ -138,6 +140,7 @@ def run(
         ]
         for st in staged:
             red.start(st)
+        red.start_sparse(plan.sparse_tensors(tensors), send=send)
         return red.finish(lambda results: rebuild_tree(plan, leaves, results))
 
 

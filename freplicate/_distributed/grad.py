@@ -13,7 +13,7 @@ from .._grad import detached, gradients, split_output
 from .._grad import grad_and_value as _local_grad_and_value
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
 from .._typing import Compress, Op, TensorTree
-from .agree import OwnFailure, agree, announce_failure, mismatch
+from .agree import OwnFailure, agree, announce_failure, mismatch, sparse_gradients
 from .collectives import check_reduce_args, reduce_tree
 from .group import check_not_transformed, comm_errors, world_size
 from .pipeline import Reduction
@@ -22,6 +22,7 @@ from .plan import Bucket, Plan, plan_for, rebuild_tree
 __all__ = ["grad_and_value"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_SPARSE = object()  # ``_overlapped``'s answer when the gradients came out sparse
 
 
 class _DiffLayout:
@@ -151,6 +152,7 @@ def grad_and_value(
         if (
             not plan.bare  # non-tensor or tied leaves: let fr.grad_and_value deal with them
             or not plan.unique
+            or plan.fingerprint in sparse_gradients(group)  # reduced after the backward pass
             or any(map(_REQUIRES_GRAD, leaves))
             or any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
         ):
@@ -172,9 +174,15 @@ def grad_and_value(
                 # a rank off the expected layout mirrors it (and checks) before its forward pass
                 fast = check and agree(plan, tree, group, world, caller)
             poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
-            return _overlapped(
+            grads, value = _overlapped(
                 fn, args, kwargs, n, has_aux, plan, leaves, op, group, world, poisoned, caller
             )
+        if grads is _SPARSE:  # learnt just now: the local gradients, reduced as a tree
+            local_grads, value = value
+            grads = reduce_tree(
+                local_grads, caller, op, group, world, bucket_cap_mb, compress, check
+            )
+        return grads, value
 
     wrapper.__doc__ = getattr(fn, "__doc__", None)
     wrapper.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
@@ -202,7 +210,12 @@ def _overlapped(
     later hook, or once the backward pass is over), so it rarely blocks.
     When ``fn`` (or its backward pass) raises, this rank still launches the
     buckets left, flagged *failed*, so that every rank learns it and raises
-    (``Reduction.fail``); this rank then raises ``fn``'s own error.
+    (``Reduction.fail``); this rank then raises ``fn``'s own error. Sparse
+    gradients (``nn.Embedding(sparse=True)``) cannot fill a bucket: their
+    bucket and the later ones are held back, then sent empty (every rank does
+    the same, on the same gradients), and ``(_SPARSE, (local gradients,
+    value))`` comes back, to be reduced as a tree; the group remembers the
+    layout, whose later calls reduce after the backward pass on every rank.
     """
     layout = _diff_layout(plan, set(map(type, leaves)) <= PLAIN)  # plain tensors only: stacks
     made = layout.leaves.make(leaves)
@@ -219,6 +232,7 @@ def _overlapped(
     missing = [len(span) for span in layout.spans]
     handles = []
     ours: list[BaseException] = []  # an error of the collectives, raised in a hook
+    sparse: list[int] = []  # the buckets of a sparse gradient
 
     def launch_ready() -> None:
         # Buckets start in plan order on every rank, whatever order their gradients come in.
@@ -228,6 +242,9 @@ def _overlapped(
 
     def hook_for(b: int, j: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
+            if grad.layout != torch.strided:
+                sparse.append(b)  # its bucket, and every later one, waits for the end
+                return
             ready[b][j] = grad
             missing[b] -= 1
             if missing[b] == 0:
@@ -260,6 +277,13 @@ def _overlapped(
     finally:
         for h in handles:
             h.remove()
+    last = layout.spans[-1]
+    if sparse or any(g.layout != torch.strided for g in grads[last.start : last.stop]):
+        with comm_errors(caller):
+            red.drain()
+        sparse_gradients(group).add(plan.fingerprint)
+        local = optree.tree_unflatten(plan.spec, layout.leaves.split(grads))
+        return _SPARSE, (local, detached(value, aux, has_aux))  # type: ignore[return-value]
     with comm_errors(caller):
         # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
         for b in range(red.launched, nb):

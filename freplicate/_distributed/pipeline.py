@@ -41,6 +41,7 @@ class Reduction:
         "pending",
         "plan",
         "poisoned",
+        "sparse",
         "world",
     )
 
@@ -62,6 +63,7 @@ class Reduction:
         self.error: BaseException | None = None
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
+        self.sparse: list[tuple[torch.Tensor, Any]] = []
 
     def stage(self, b: int, parts: Sequence[Any] | None) -> tuple[Any, ...]:
         """Pack bucket ``b`` from ``parts`` (``FlatPool.pack``'s, one per run), ready to start.
@@ -96,6 +98,29 @@ class Reduction:
     def launch(self, b: int, parts: Sequence[Any] | None) -> None:
         self.start(self.stage(b, parts))
 
+    def start_sparse(self, tensors: Sequence[torch.Tensor], *, send: bool = True) -> None:
+        """Start the plan's sparse tensors' all-reduces (after its buckets), one each.
+
+        Each sends a coalesced copy (divided by the world size for a mean, as
+        DDP does; nothing of this rank's where ``send`` is false): gloo sums
+        sparse tensors of any number of entries into it, in place.
+        """
+        if tensors and self.poisoned is not None and self.launched:
+            self.confirm()  # nothing more before every rank is known to run this layout
+        for t in tensors:
+            c = t.coalesce()
+            indices, values = c.indices(), c.values()
+            if not send:
+                indices, values = indices[:, :0], values[:0]
+            mine = torch.sparse_coo_tensor(
+                indices.clone(),
+                values / self.world if self.op == "mean" else values.clone(),
+                c.shape,
+                is_coalesced=True,
+            )
+            work = dist.all_reduce(mine, group=self.group, async_op=True)
+            self.sparse.append((mine, work))
+
     def fail(self, error: BaseException) -> None:
         """This rank's call failed: launch what is left with the failed flag, then raise together.
 
@@ -103,6 +128,10 @@ class Reduction:
         ``error``); the other ranks raise a ``RuntimeError`` naming this one.
         """
         self.error = error
+        self.drain()
+
+    def drain(self) -> None:
+        """Launch the buckets left with nothing of this rank's, and finish; the results unused."""
         for b in range(self.launched, len(self.plan.buckets)):
             self.launch(b, None)
         self.finish(lambda results: None)
@@ -132,14 +161,16 @@ class Reduction:
         views: list[torch.Tensor] = []
         for runs, _, _, _ in self.pending:
             views += FlatPool.views(runs)
+        views += [mine for mine, _ in self.sparse]
         out = build(self.plan.reorder(views))
         if self.poisoned is not None:
             self.confirm()
-        for *_, work in self.pending:
+        for *_, work in self.pending + self.sparse:
             work.wait()
-        last = self.pending[-1][1]
-        if last[FAILED if len(self.pending) == 1 else -1].item() != 0:
-            failure(self.group, self.caller, self.error)
+        if self.pending:
+            last = self.pending[-1][1]
+            if last[FAILED if len(self.pending) == 1 else -1].item() != 0:
+                failure(self.group, self.caller, self.error)
         for _, comm, res, _ in self.pending:
             if comm is not res:
                 res.copy_(comm)

@@ -162,7 +162,10 @@ class Plan:
         self.lock = threading.RLock()  # a user's fn may itself reduce a tree of this layout
         tensors = [leaves[i] for i in unique]
         paths = LazyPaths(spec, unique)
-        check_packable(tensors, range(len(tensors)), paths, caller=caller)
+        # sparse COO tensors (nn.Embedding(sparse=True)'s gradients) are reduced one by one
+        self.sparse = [k for k, t in enumerate(tensors) if t.layout == torch.sparse_coo]
+        dense = [k for k, t in enumerate(tensors) if t.layout != torch.sparse_coo]
+        check_packable([tensors[k] for k in dense], dense, paths, caller=caller)
         for k, t in enumerate(tensors):
             if t.is_meta:
                 raise TypeError(
@@ -172,7 +175,7 @@ class Plan:
         if op == "mean":
             check_mean(caller, tensors, paths)
         # DDP's order: the last parameters' gradients are ready first.
-        order = list(range(len(tensors)))[::-1]
+        order = dense[::-1]
         cuts: list[tuple[list[int], torch.dtype]] = []  # each bucket's tensors, and its dtype
         groups = group_by([tensors[k] for k in order], lambda t: (t.device, t.dtype))
         for (_, dtype), positions in groups.items():
@@ -197,12 +200,13 @@ class Plan:
             Bucket(ids, [tensors[k] for k in ids], comm, extra=_extra(b, last))
             for b, (ids, comm) in enumerate(cuts)
         ]
-        # results come out bucket by bucket; this puts them back in the order of the tensors
-        where = {k: j for j, k in enumerate(k for b in self.buckets for k in b.members)}
+        # results come out bucket by bucket, then the sparse ones; this puts them back in order
+        came = [k for b in self.buckets for k in b.members] + self.sparse
+        where = {k: j for j, k in enumerate(came)}
         inverse = [where[k] for k in range(len(tensors))]
         self.reorder = picker(inverse)
         self.bare = slot is None and len(unique) == len(leaves)  # only tensors, no aliasing
-        sig = [(tuple(t.shape), str(t.dtype), t.device.type) for t in tensors]
+        sig = [(tuple(t.shape), str(t.dtype), t.device.type, str(t.layout)) for t in tensors]
         self.description = (str(spec), sig, slot, options)
         digest = hashlib.blake2b(repr(self.description).encode(), digest_size=8).digest()
         self.fingerprint = int.from_bytes(digest, "little") >> 1  # fits an int64
@@ -211,6 +215,10 @@ class Plan:
         if self.buckets:
             b0 = self.buckets[0]
             self.first = FirstCollective(b0.results.numel, b0.comm_dtype, b0.results.device, b0.red)
+
+    def sparse_tensors(self, tensors: Sequence[Any]) -> list[torch.Tensor]:
+        """The sparse tensors out of ``tensors`` (one per unique tensor), in plan order."""
+        return [tensors[k] for k in self.sparse]
 
     def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
         """Bucket ``b``'s tensors out of ``tensors`` (one per unique tensor), one list per run."""
@@ -229,7 +237,7 @@ class Plan:
 
 
 _PLANS: dict[Any, Plan] = {}
-_SIG = operator.attrgetter("shape", "dtype", "device")
+_SIG = operator.attrgetter("shape", "dtype", "device", "layout")
 _DICT = object()  # marks a plan key made from a plain dict's keys (``tensor_values``)
 _PLANS_LOCK = threading.Lock()
 

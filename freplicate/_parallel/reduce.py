@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,9 @@ from .._typing import Op, T
 
 __all__ = ["all_reduce", "reduce_lists"]
 
+_LAYOUT = operator.attrgetter("layout")
+_DENSE = {torch.strided}
+
 
 def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
     """Leaf-wise sum or mean of ``trees`` (one per device), a result on each tree's devices.
@@ -24,7 +28,9 @@ def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
     and, at every tensor leaf, the sum (``op="sum"``) or the mean
     (``op="mean"``) over all trees, on the device of ``trees[i]``'s leaf. The
     reduction is coalesced as ``replicate``: one flat buffer per (device,
-    dtype) per tree. Result trees whose leaves lie on the same device share
+    dtype) per tree. Sparse COO leaves (the gradients of
+    ``nn.Embedding(sparse=True)``) are reduced one by one and stay sparse
+    (coalesced). Result trees whose leaves lie on the same device share
     those result tensors; none is an input tensor, and nothing is modified.
     Differentiable.
 
@@ -115,6 +121,11 @@ def _check_reducible(lists: list[list[object]], paths: Sequence[str], caller: st
                     f"{caller}: trees differ at {paths[k]}: {a.dtype} of shape "
                     f"{tuple(a.shape)} in tree 0, {b.dtype} of shape {tuple(b.shape)} in tree {j}"
                 )
+            if a.layout != b.layout:
+                raise ValueError(
+                    f"{caller}: trees differ at {paths[k]}: layout {a.layout} in tree 0, "
+                    f"{b.layout} in tree {j}"
+                )
 
 
 def reduce_lists(
@@ -125,10 +136,24 @@ def reduce_lists(
     paths: Sequence[str],
     caller: str,
 ) -> list[torch.Tensor]:
-    """Leaf-wise sum / mean of ``lists`` (checked alike); position ``k`` lands on ``targets[k]``."""
+    """Leaf-wise sum / mean of ``lists`` (checked alike); position ``k`` lands on ``targets[k]``.
+
+    Dense tensors are summed coalesced, per target device; sparse ones (the
+    gradients of ``nn.Embedding(sparse=True)``) one by one, staying sparse.
+    """
     out: list[torch.Tensor] = [None] * len(targets)  # type: ignore[list-item]
     n = len(lists)
-    for dev, idx in _pack.group_by(range(len(targets)), targets.__getitem__).items():
+    positions: Sequence[int] = range(len(targets))
+    if set(map(_LAYOUT, lists[0])) != _DENSE:
+        sparse = [k for k in positions if lists[0][k].layout != torch.strided]
+        for k in sparse:
+            total = lists[0][k].to(targets[k])
+            for lst in lists[1:]:
+                total = total + lst[k].to(targets[k])
+            out[k] = (total / n if op == "mean" else total).coalesce()
+        positions = [k for k in positions if out[k] is None]
+    for dev, where in _pack.group_by(positions, targets.__getitem__).items():
+        idx = [positions[w] for w in where]
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
         sums = _pack.reduce_add_coalesced(
