@@ -511,6 +511,37 @@ def test_bad_arguments_raise():
         fr.distributed.grad_and_value(lambda p: p, op="avg")
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        ({"bucket_cap_mb": float("nan")}, ValueError, r"bucket_cap_mb must be a finite positive"),
+        ({"bucket_cap_mb": "25"}, TypeError, r"bucket_cap_mb must be a number, got '25'"),
+        ({"bucket_cap_mb": -1}, ValueError, r"bucket_cap_mb must be a finite positive number"),
+        ({"group": "abc"}, TypeError, r"group must be a torch\.distributed process group"),
+    ],
+)
+def test_bad_arguments_raise_without_a_group_too(kwargs, error, pattern):
+    # checked on every call, not only when a process group makes the call do something
+    tree = {"w": torch.ones(2)}
+    with pytest.raises(error, match=r"^fr\.distributed\.all_reduce: " + pattern):
+        fr.distributed.all_reduce(tree, **kwargs)
+    with pytest.raises(error, match=r"^fr\.distributed\.grad_and_value: " + pattern):
+        fr.distributed.grad_and_value(lambda p: p["w"].sum(), **kwargs)(tree)
+
+
+@pytest.mark.parametrize("src", ["0", 1.0, None])
+def test_broadcast_src_must_be_an_int(src):
+    with pytest.raises(TypeError, match=r"^fr\.distributed\.broadcast: src must be an int, got "):
+        fr.distributed.broadcast({"w": torch.ones(2)}, src=src)
+    with pytest.raises(TypeError, match=r"^fr\.distributed\.sync_buffers: src must be an int"):
+        fr.distributed.sync_buffers({"w": torch.ones(2)}, src=src)
+
+
+def test_grad_and_value_needs_a_callable():
+    with pytest.raises(TypeError, match=r"^fr\.distributed\.grad_and_value: fn must be callable"):
+        fr.distributed.grad_and_value(None)  # type: ignore[arg-type]
+
+
 def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     # Gradients become ready in the reverse of named_parameters() order; sorted
     # keys ('10.weight' < '2.weight') would scatter a bucket over the backward pass.
