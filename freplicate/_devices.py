@@ -81,7 +81,7 @@ def as_device(spec: DeviceSpec, *, caller: str, arg: str = "device") -> torch.de
 
 
 def as_devices(
-    specs: Iterable[DeviceSpec], *, caller: str = "", arg: str = "devices", fn: str = ""
+    specs: Iterable[DeviceSpec], *, caller: str, arg: str = "devices"
 ) -> list[torch.device]:
     """Parse a non-empty list of device specs (repeats allowed).
 
@@ -92,7 +92,6 @@ def as_devices(
     ...
     ValueError: fr.replicate: devices is empty; give at least one device
     """
-    caller = caller or fn  # ``fn=``: the old name of ``caller``, until _replicate passes caller=
     if isinstance(specs, (str, int, torch.device)):
         raise ValueError(
             f"{caller}: {arg} must be a list of devices, got a single device {specs!r}; "

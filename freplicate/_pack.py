@@ -166,9 +166,8 @@ def broadcast_coalesced(
     devices: Sequence[torch.device],
     *,
     paths: Sequence[str],
-    caller: str = "",
+    caller: str,
     detach: bool = False,
-    fn: str = "",
 ) -> list[list[torch.Tensor]]:
     """Copies of ``tensors`` on every device: ``result[d][i]`` is tensor ``i`` on ``devices[d]``.
 
@@ -178,7 +177,6 @@ def broadcast_coalesced(
     target devices share those views. Differentiable unless ``detach``: the
     gradient reaching each input is the sum over its copies.
     """
-    caller = caller or fn  # ``fn=``: the old name of ``caller``, until _replicate passes caller=
     if detach:
         with torch.no_grad():
             return _broadcast(tensors, devices, paths, caller, detach=True)
