@@ -45,10 +45,12 @@ def all_reduce(
     used as the reduction buffer.
 
     Each call checks the layout across ranks: trees that differ in
-    structure, shape or dtype, or calls with different options, raise
-    ``ValueError`` naming the difference on every rank. On the layout the
-    group agreed on last, the check rides in the first bucket; switching
-    back to the one before costs one small extra collective, a new layout two.
+    structure, shape or dtype, calls with different options, or ranks that
+    call different fr.distributed functions raise ``ValueError`` naming the
+    difference on every rank (never a hang, never an abort). The group
+    learns the order of its calls' layouts: on the layout that comes next in
+    that order, the check rides in the first bucket, at no collective of its
+    own; another known layout costs one small extra collective, a new one two.
 
     Args:
         tree: the tree to reduce; its tensor leaves may lie on several devices.

@@ -8,8 +8,8 @@ first of at most 1 MiB, as DDP's). Each bucket packs into a flat buffer taken
 from a small pool (``_pack.FlatPool``), is reduced there in place, and comes
 back as views of it; the pool hands a buffer out again only once no view of
 it is alive, so results of successive calls never alias, and a training loop
-reuses two or three buffers instead of paying a large allocation (page
-faults) every step.
+reuses two buffers instead of paying a large allocation (page faults) every
+step. Sparse tensors are not bucketed: each is reduced on its own.
 """
 
 from __future__ import annotations
