@@ -18,6 +18,8 @@ from .plan import COMPRESS, Plan, plan_for, rebuild_tree
 
 __all__ = ["all_reduce", "broadcast", "check_reduce_args", "reduce_tree", "run", "sync_buffers"]
 
+_COMPRESS_CHOICES = tuple(COMPRESS)
+
 
 def all_reduce(
     tree: TensorTree,
@@ -92,7 +94,7 @@ def check_reduce_args(caller: str, op: Any, bucket_cap_mb: Any, compress: Any) -
     """The checks of a reduction's options, before anything else (with or without a group)."""
     check_op(caller, op)
     check_positive(caller, "bucket_cap_mb", bucket_cap_mb)
-    check_choice(caller, "compress", compress, tuple(COMPRESS))
+    check_choice(caller, "compress", compress, _COMPRESS_CHOICES)
 
 
 def reduce_tree(
