@@ -15,7 +15,7 @@ import torch
 
 import freplicate as fr
 from freplicate.__main__ import main
-from freplicate._demo import _adamw
+from freplicate._demo import _adamw, _single
 
 QUICK = ["--epochs", "1", "--steps", "3"]
 LOCAL = [*QUICK, "--no-distributed", "--no-compile"]
@@ -101,6 +101,16 @@ def test_a_compile_that_fails_is_skipped_not_fatal(
     out = capsys.readouterr().out
     assert "(c) skipped: RuntimeError: no compiler here" in out
     assert "and more lines" not in out
+
+
+def test_a_compiled_path_past_its_time_is_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
+    monkeypatch.setattr(_single, "COMPILE_LIMIT_S", 0.0)
+    assert _demo(tmp_path, *QUICK, "--no-distributed", "--compile") == 0
+    out = capsys.readouterr().out
+    assert "(c) skipped: compiling and training took over 0 s (1 of 3 steps done)" in out
 
 
 ERRORS = [

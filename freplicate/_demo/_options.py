@@ -27,7 +27,7 @@ class Options:
     model: str = "mlp"
     dtype: str = "float64"
     distributed: bool = True
-    compile: bool = True
+    compile: bool = False
     out: Path = Path("demo_out")
 
     @property
@@ -78,11 +78,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="path (c): the fr step under torch.compile beside the eager one (default on)",
+        default=False,
+        help="path (c): the fr step under torch.compile beside the eager one (default off: "
+        "compiling takes tens of seconds on a small CPU machine; a compile that fails or runs "
+        "past 60 s is reported as skipped)",
     )
     parser.add_argument(
-        "--out", type=Path, default=Path("demo_out"), help="where the plot goes (default demo_out)"
+        "--out",
+        type=Path,
+        default=Path("demo_out"),
+        metavar="DIR",
+        help="where the plot goes (default demo_out)",
     )
 
 

@@ -15,18 +15,8 @@ def summary(results: Sequence[PathResult], steps_per_epoch: int) -> list[str]:
     for r in results:
         a = r.agreement
         if r.failed or r.skipped:
-            rows.append(
-                [
-                    r.title,
-                    r.twin_title,
-                    "-",
-                    "-",
-                    "-",
-                    "-",
-                    f"{r.wall_s:.0f}",
-                    "failed" if r.failed else "skipped",
-                ]
-            )
+            outcome = "failed" if r.failed else "skipped"
+            rows.append([r.title, r.twin_title, *["-"] * 4, f"{r.wall_s:.0f}", outcome])
             notes.append(f"{r.title[:3]} {r.failed or r.skipped}")
             continue
         rows.append(
