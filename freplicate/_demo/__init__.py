@@ -72,9 +72,12 @@ def run(options: Options) -> bool:
             began = time.perf_counter()
             results.append(compiled(options, data, order, tol, first, points))
             results[-1].wall_s = time.perf_counter() - began
+        else:
+            say("(c) torch.compile of the fr step: off (--compile runs it)")
     finally:
         torch.set_num_threads(threads)
 
+    say("")
     for line in _report.summary(results, steps_per_epoch):
         say(line)
     png = _report.plot(results, options.out / "curves.png")
