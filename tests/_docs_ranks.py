@@ -45,7 +45,7 @@ def _rank_main(
 
 
 def run_on_ranks(
-    pages: list[Page], *, world: int = 2, timeout: float = 30.0, deadline: float = 150.0
+    pages: list[Page], *, world: int = 2, timeout: float = 30.0, deadline: float = 300.0
 ) -> dict[str, list[str | None]]:
     """``{page: [rank 0's traceback or None, rank 1's, ...]}``; a rank that never reports raises."""
     ctx = mp.get_context("spawn")
