@@ -26,7 +26,7 @@ from torch import nn
 from . import _pack, _tree
 from ._devices import DeviceSpec, as_devices
 from ._state import State
-from ._torch import transform_level
+from ._torch import is_compiling, transform_level
 
 __all__ = ["replicate", "replicate_shared"]
 
@@ -155,6 +155,8 @@ def _aliaser(tensors: Sequence[torch.Tensor], detach: bool) -> Callable[[torch.T
     """
     if detach:
         return _DETACH
+    if is_compiling():
+        return _alias_in_graph  # traced as plain ops; the C-speed test below breaks the graph
     if transform_level() is not None:
         return _view
     if any(map(_REQUIRES_GRAD, tensors)):

@@ -100,3 +100,44 @@ def stateful_data_parallel(
         )
     buffers = {k: v.detach() for k, v in copies[0].named_buffers()}
     return output, grads, buffers, copies
+
+
+def stateful_replica_grads(
+    module: nn.Module,
+    batch: tuple[Any, ...],
+    n: int,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    op: str = "mean",
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, list[nn.Module]]:
+    """``(grads, loss, copies)`` of DDP's gradient step over ``n`` replicas in one process.
+
+    The batch is cut as ``nn.parallel.scatter`` cuts it; a ``copy.deepcopy``
+    of ``module`` per shard runs ``loss_fn(copy, *shard)`` and its own
+    ``backward()``, one after another in order (so each draws its random
+    numbers after the previous one, from the caller's generator). ``grads``
+    holds, for every parameter that requires grad, the mean (``op="mean"``,
+    DDP's) or the sum of its copies' gradients; frozen parameters have none.
+    ``loss`` is the mean of the copies' losses; ``copies`` hold their buffers.
+    """
+    shards = reference_scatter(batch, n)
+    copies = [copy.deepcopy(module) for _ in shards]
+    losses = []
+    for c, shard in zip(copies, shards):
+        c.zero_grad(set_to_none=True)
+        loss = loss_fn(c, *shard)
+        loss.backward()
+        losses.append(loss.detach())
+    grads: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        per_copy = [
+            c.get_parameter(name).grad
+            if c.get_parameter(name).grad is not None
+            else torch.zeros_like(p)
+            for c in copies
+        ]
+        total = torch.stack(per_copy).sum(0)
+        grads[name] = total / len(copies) if op == "mean" else total
+    return grads, torch.stack(losses).mean(), copies

@@ -864,3 +864,376 @@ def test_data_parallel_under_vmap_runs_an_ensemble() -> None:
 
     out = torch.func.vmap(run)(params)
     torch.testing.assert_close(out, torch.stack([mm(x) for mm in members]).detach())
+
+
+# --------------------------------------------------------------------------- data_parallel_grad: buffers, frozen
+
+
+def _bn_model() -> nn.Module:
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(5, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _bn_loss(
+    model: nn.Module,
+) -> Any:
+    def loss_fn(
+        trainable: dict[str, torch.Tensor],
+        frozen: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        out, new = fr.apply(model, fr.State(fr.combine(trainable, frozen), buffers), x)
+        return F.cross_entropy(out, y), new.buffers
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("aux", ["first", "mean"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_data_parallel_grad_carries_buffers_as_the_stateful_replicas(aux: Any, n: int) -> None:
+    # issue 11, item 7: closed-over buffers came back concatenated, (16,) -> (32,)
+    model = _bn_model()
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    params, buffers = fr.state(model)
+    snap = snapshot(params, buffers, x, y)
+    step = fr.data_parallel_grad(_bn_loss(model), ["cpu"] * n, replicated=2, has_aux=True, aux=aux)
+    grads, (loss, new_buffers) = step(params, {}, buffers, x, y)
+    assert_unchanged(snap)
+
+    def stateful_loss(c: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(c(x), y)
+
+    ref_grads, ref_loss, copies = oracles.stateful_replica_grads(model, (x, y), n, stateful_loss)
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss)
+    per_copy = [dict(c.named_buffers()) for c in copies]
+    expected = {
+        k: (
+            torch.stack([b[k] for b in per_copy]).mean(0)
+            if aux == "mean" and v.is_floating_point()
+            else v
+        )
+        for k, v in per_copy[0].items()
+    }
+    assert list(new_buffers) == list(buffers)
+    assert new_buffers["1.running_mean"].shape == (16,)
+    assert_trees_close(new_buffers, expected, rtol=1e-5, atol=1e-6)
+    assert int(new_buffers["1.num_batches_tracked"]) == 1
+
+
+def test_data_parallel_grad_leaves_frozen_parameters_alone() -> None:
+    model = _bn_model()
+    model[0].requires_grad_(False)  # fine-tuning: the first layer frozen
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+    params, buffers = fr.state(model)
+    trainable, frozen = fr.partition(params, model)
+    snap = snapshot(frozen)
+    frozen_before = {k: v.clone() for k, v in frozen.items()}
+    step = fr.data_parallel_grad(
+        _bn_loss(model), ["cpu", "cpu"], replicated=2, has_aux=True, aux="first"
+    )
+    grads, (loss, _) = step(trainable, frozen, buffers, x, y)
+    assert list(grads) == list(trainable) == ["1.weight", "1.bias", "3.weight", "3.bias"]
+
+    def stateful_loss(c: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(c(x), y)
+
+    ref_grads, ref_loss, copies = oracles.stateful_replica_grads(model, (x, y), 2, stateful_loss)
+    assert all(c[0].weight.grad is None for c in copies)  # the stateful design agrees
+    assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, ref_loss)
+    assert_unchanged(snap)
+    for k, v in frozen.items():  # bit-identical, and updated by nothing
+        assert torch.equal(v, frozen_before[k]) and not v.requires_grad
+
+
+def test_data_parallel_grad_replicated_arguments_reach_every_replica() -> None:
+    # replicated like params (objects of their own on each device), not scattered
+    seen: list[torch.Tensor] = []
+
+    def loss_fn(p: dict[str, torch.Tensor], c: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+        seen.append(c["k"])
+        assert c["tag"] == "t" and x.shape == (2, 3)
+        return (x @ p["w"] * c["k"]).mean()
+
+    w, k = {"w": torch.ones(3)}, {"k": torch.tensor(2.0), "tag": "t"}
+    x = torch.arange(12.0).reshape(4, 3)
+    grads, loss = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"], replicated=1)(w, k, x)
+    torch.testing.assert_close(grads["w"], 2 * x.mean(0))
+    torch.testing.assert_close(loss, (x @ w["w"] * 2).mean())
+    assert len({id(t) for t in seen}) == 2 and all(t is not k["k"] for t in seen)
+    assert all(t.data_ptr() == k["k"].data_ptr() for t in seen)  # zero copy
+
+
+def test_data_parallel_grad_aux_gathers_by_default() -> None:
+    # the old behaviour, documented: without aux=, the replicas' aux are gathered
+    model = _bn_model()
+    params, buffers = fr.state(model)
+    x, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    step = fr.data_parallel_grad(_bn_loss(model), ["cpu", "cpu"], replicated=2, has_aux=True)
+    _, (_, gathered) = step(params, {}, buffers, x, y)
+    assert gathered["1.running_mean"].shape == (32,)
+
+
+def test_data_parallel_grad_rejects_bad_replicated_and_aux() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.data_parallel_grad: aux='first' says how the replicas' aux combine, but "
+        r"loss_fn returns no aux; pass has_aux=True",
+    ):
+        fr.data_parallel_grad(_mlp_loss, ["cpu"], aux="first")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.data_parallel_grad: aux must be 'gather', 'first' or 'mean', got 'x'",
+    ):
+        fr.data_parallel_grad(_mlp_loss, ["cpu"], has_aux=True, aux="x")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"fr\.data_parallel_grad: replicated must be >= 0, got -1"
+    ):
+        fr.data_parallel_grad(_mlp_loss, ["cpu"], replicated=-1)
+    with pytest.raises(TypeError, match=r"fr\.data_parallel_grad: replicated must be an int"):
+        fr.data_parallel_grad(_mlp_loss, ["cpu"], replicated=1.0)  # type: ignore[arg-type]
+    step = fr.data_parallel_grad(_mlp_loss, ["cpu"], replicated=3)
+    with pytest.raises(
+        TypeError,
+        match=r"fr\.data_parallel_grad: step takes params, then replicated=3 argument\(s\), then "
+        r"the batch; got 2 argument\(s\) after params",
+    ):
+        step(_mlp_params(), torch.randn(4, 4), torch.tensor([0, 1, 2, 0]))
+
+    def uneven(p: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        return (x @ p["w"]).mean(), ({"a": x.sum()} if x[0, 0] > 0 else [x.sum()])
+
+    step = fr.data_parallel_grad(uneven, ["cpu", "cpu"], has_aux=True, aux="mean")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.data_parallel_grad: aux='mean' needs the replicas' aux of one structure; they "
+        r"differ at the root: dict with keys \('a',\) in replica 0, list of 1 in replica 1",
+    ):
+        step({"w": torch.ones(2)}, torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
+
+
+# --------------------------------------------------------------------------- a forward that touches its state
+
+
+class TouchesItsState(nn.Module):
+    """A forward that clears its parameters' gradients, and may write them (issue 11, item 5)."""
+
+    def __init__(self, write: bool) -> None:
+        super().__init__()
+        self.write = write
+        self.lin = nn.Linear(5, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.zero_grad()
+        if self.write:
+            for p in self.parameters():
+                p.grad = torch.full_like(p, 5.0)
+        return self.bn(self.lin(x))
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["state", "leaves"])
+@pytest.mark.parametrize("write", [False, True], ids=["zero_grad", "writes_grad"])
+def test_a_forward_that_touches_its_state_leaves_the_callers_alone(
+    write: bool, requires_grad: bool
+) -> None:
+    # replicas on the caller's device shared its tensor objects: a replica's zero_grad()
+    # cleared the caller's .grad, and threads writing .grad at once segfaulted
+    torch.manual_seed(8)
+    m = TouchesItsState(write)
+    s = fr.state(m)
+    params = {k: v.clone().requires_grad_(requires_grad) for k, v in s.params.items()}
+    for p in params.values():
+        p.grad = torch.full_like(p, 7.0)
+    given = fr.State(params, s.buffers)
+    x = torch.randn(9, 5)
+    snap = snapshot(given, x)
+    for _ in range(8):  # the crash came in 3 runs of 6
+        out, _ = fr.data_parallel(m, given, x, devices=["cpu"] * 3)
+        assert_unchanged(snap)
+        assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params.values())
+    ref_out, ref_grads, _, _ = oracles.stateful_data_parallel(m, (x,), {}, 3, _loss)
+    torch.testing.assert_close(out, ref_out)
+    if requires_grad and not write:  # the oracle's copies keep what the forward writes
+        got = torch.autograd.grad(_loss(out), list(params.values()))
+        assert_trees_close(dict(zip(params, got)), ref_grads, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params.values())
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return _loss(fr.apply(m, fr.State(p, s.buffers), x)[0])
+
+    for _ in range(4):
+        fr.data_parallel_grad(loss_fn, ["cpu"] * 3)(params, x)
+        assert_unchanged(snap)
+        assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in params.values())
+
+
+# --------------------------------------------------------------------------- randomness
+
+
+def _noisy() -> nn.Module:
+    torch.manual_seed(9)
+    return nn.Sequential(nn.Linear(5, 32), nn.Dropout(0.5), nn.Tanh(), nn.Linear(32, 3)).train()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dropout_under_data_parallel_is_fixed_by_the_seed(n: int) -> None:
+    # replica threads raced for the CPU generator: 2 distinct losses in 20 seeded steps
+    m = _noisy()
+    s = fr.state(m)
+    x = torch.randn(12, 5)
+
+    def seeded() -> tuple[torch.Tensor, torch.Tensor]:
+        torch.manual_seed(123)
+        out, _ = fr.data_parallel(m, s, x, devices=["cpu"] * n)
+        return out, torch.get_rng_state()
+
+    first, state = seeded()
+    for _ in range(20):
+        out, after = seeded()
+        assert torch.equal(out, first) and torch.equal(after, state)
+    # replica i draws after replica i - 1, as the stateful copies called in order do
+    torch.manual_seed(123)
+    ref_out, _, _, _ = oracles.stateful_data_parallel(m, (x,), {}, n, _loss)
+    assert torch.equal(first, ref_out)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's generator, advanced alike
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_dropout_under_data_parallel_grad_is_fixed_by_the_seed(n: int) -> None:
+    m = _noisy()
+    params = fr.state(m).params
+    x, y = torch.randn(12, 5), torch.randint(0, 3, (12,))
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(m, fr.State(p, {}), x)[0], y)
+
+    step = fr.data_parallel_grad(loss_fn, ["cpu"] * n)
+
+    def seeded() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        torch.manual_seed(321)
+        grads, loss = step(params, x, y)
+        return grads, loss, torch.get_rng_state()
+
+    first = seeded()
+    for _ in range(20):
+        grads, loss, after = seeded()
+        assert torch.equal(loss, first[1]) and torch.equal(after, first[2])
+        assert all(torch.equal(grads[k], first[0][k]) for k in grads)
+
+    def stateful_loss(c: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(c(x), y)
+
+    torch.manual_seed(321)
+    ref_grads, ref_loss, _ = oracles.stateful_replica_grads(m, (x, y), n, stateful_loss)
+    assert_trees_close(first[0], ref_grads, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(first[1], ref_loss, rtol=1e-6, atol=1e-7)
+    assert torch.equal(first[2], torch.get_rng_state())
+
+
+def test_replicas_run_in_order_only_while_they_draw_random_numbers() -> None:
+    threads: list[int] = []
+
+    class Noted(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            threads.append(threading.get_ident())
+            return self.drop(self.lin(x))
+
+    m = Noted()
+    s, x = fr.state(m), torch.randn(4, 3)
+
+    def ran() -> set[int]:
+        threads.clear()
+        fr.data_parallel(m, s, x, devices=["cpu", "cpu"])
+        return set(threads)
+
+    here = {threading.get_ident()}
+    assert len(ran()) == 2 and len(threads) == 4  # drew: threads, then again in order
+    assert ran() == here and len(threads) == 2  # known to draw: in order at once
+    m.eval()
+    assert ran() == here  # in order, and found to draw nothing ...
+    assert len(ran()) == 2  # ... so in threads again
+    m.train()
+
+
+# --------------------------------------------------------------------------- float16 means
+
+
+def test_all_reduce_mean_in_float16_divides_before_it_sums() -> None:
+    # issue 11, item 7: the sum 12e4 overflowed float16 (inf); DDP divides first
+    out = fr.all_reduce([{"w": torch.tensor([6e4], dtype=torch.half)}] * 2, op="mean")
+    assert all(torch.equal(o["w"], torch.tensor([6e4], dtype=torch.half)) for o in out)
+    for dtype in (torch.float16, torch.bfloat16):
+        trees = [
+            {"w": torch.tensor([5e4, 1.0, 3.0], dtype=dtype) * s, "f": torch.ones(2) * s}
+            for s in (1.0, 0.5, 0.25)
+        ]
+        ddp = trees[0]["w"] / 3 + trees[1]["w"] / 3 + trees[2]["w"] / 3
+        got = fr.all_reduce(trees, op="mean")
+        assert got[0]["w"].dtype == dtype and torch.equal(got[0]["w"], ddp)
+        torch.testing.assert_close(got[2]["f"], torch.full((2,), 1.75 / 3))
+        # the same through autograd
+        leaves = [{"w": t["w"].clone().requires_grad_()} for t in trees]
+        got = fr.all_reduce(leaves, op="mean")
+        assert torch.equal(got[1]["w"].detach(), ddp)
+
+
+def test_data_parallel_grad_in_float16_stays_finite() -> None:
+    # a float16 model whose full-batch gradient is 4e4: each replica's 4e4 summed to inf
+    params = {"w": torch.ones(1, dtype=torch.half)}
+    x = torch.full((8, 1), 4e4, dtype=torch.half)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return (x * p["w"]).mean()
+
+    grads, loss = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"])(params, x)
+    assert grads["w"].dtype == torch.half and torch.equal(grads["w"], torch.tensor([4e4]).half())
+    assert torch.isfinite(loss) and loss.item() == 4e4
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+def _tiny() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, fr.state(model).params, torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+
+def test_data_parallel_grad_compiles_to_one_graph_equal_to_eager() -> None:
+    # issue 12, item 3: the replica threads broke the graph (7 graphs, 6 breaks)
+    model, params, x, y = _tiny()
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(model, fr.State(p, {}), x)[0], y)
+
+    step = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"])
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(params, x, y)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    grads, loss = torch.compile(step, backend="aot_eager", fullgraph=True)(params, x, y)
+    eager_grads, eager_loss = step(params, x, y)
+    assert_trees_close(grads, eager_grads, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, eager_loss)
+
+
+def test_data_parallel_compiles_to_one_graph_equal_to_eager() -> None:
+    model, params, x, _ = _tiny()
+
+    def forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fr.data_parallel(model, fr.State(p, {}), x, devices=["cpu", "cpu"])[0]
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward)(params, x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    out = torch.compile(forward, backend="aot_eager", fullgraph=True)(params, x)
+    torch.testing.assert_close(out, forward(params, x))

@@ -141,6 +141,21 @@ class _Modes:
             stack.enter_context(torch.autocast(kind, dtype=dtype))
 
 
+class Draws:
+    """What ``apply_each`` learned of one caller's replicas: do they draw random numbers?
+
+    A caller that runs the same replicas step after step (``data_parallel``
+    per module, ``data_parallel_grad`` per step function) keeps one, so that
+    replicas found to draw from a generator they share run in order at once,
+    without a threaded attempt first.
+    """
+
+    __slots__ = ("in_order",)
+
+    def __init__(self) -> None:
+        self.in_order = False
+
+
 def apply_each(
     fn: Callable[..., Any],
     replicas: Sequence[Any],
@@ -149,8 +164,20 @@ def apply_each(
     devs: Sequence[torch.device | None],
     *,
     caller: str,
+    draws: Draws | None = None,
 ) -> list[Any]:
-    """``parallel_apply`` on checked arguments; errors name ``caller``."""
+    """``parallel_apply`` on checked arguments; errors name ``caller``.
+
+    With ``draws``, the calls are pure functions whose random numbers must
+    not depend on thread timing. Replicas that share a generator (the CPU's,
+    or one CUDA device's) and draw from it run one after another, in order,
+    from the caller's generator state: replica ``i`` draws the numbers that
+    follow replica ``i - 1``'s, as the stateful design's copies called in
+    order do. Whether they draw is seen from the shared generators' states
+    after a threaded run: a change means the threads raced for them, and the
+    calls run again, in order, from the states they started from (then
+    ``draws`` remembers it; a run in order that draws nothing forgets it).
+    """
     n = len(replicas)
     modes = _Modes()
     # Under a torch.func transform, whose state is thread-local, the calls run
@@ -164,7 +191,7 @@ def apply_each(
     errors: list[BaseException | None] = [None] * n
     streams: list[Any] = [None] * n
 
-    def run(i: int) -> None:
+    def run(i: int, side: bool) -> None:
         try:
             with contextlib.ExitStack() as stack:
                 modes.enter(stack)
@@ -172,7 +199,7 @@ def apply_each(
                 caller = None
                 if dev is not None and dev.type == "cuda":
                     stack.enter_context(torch.cuda.device(dev))
-                    if threaded:
+                    if side:
                         caller = callers[dev]
                         stream = streams[i] = torch.cuda.Stream(dev)
                         stream.wait_stream(caller)
@@ -189,23 +216,64 @@ def apply_each(
         except BaseException as err:
             errors[i] = err
 
-    if not threaded:
-        for i in range(n):
-            run(i)
-    else:
-        threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(1, n)]
+    def in_threads() -> None:
+        threads = [threading.Thread(target=run, args=(i, True), daemon=True) for i in range(1, n)]
         for t in threads:
             t.start()
-        run(0)
+        run(0, True)
         for t in threads:
             t.join()
-    for i, stream in enumerate(streams):
-        if stream is not None:
-            callers[devs[i]].wait_stream(stream)  # type: ignore[index]
+        for i, stream in enumerate(streams):
+            if stream is not None:
+                callers[devs[i]].wait_stream(stream)  # type: ignore[index]
+                streams[i] = None
+
+    if not threaded:
+        for i in range(n):
+            run(i, False)
+    elif draws is None:
+        in_threads()
+    else:
+        gens = _shared_generators(devs)
+        before = [g.get_state() for g in gens]
+        in_order = draws.in_order
+        if not in_order:
+            in_threads()
+            if not _unchanged(gens, before):
+                # the threads raced for a generator they share: again, in order
+                for g, state in zip(gens, before):
+                    g.set_state(state)
+                results[:] = [None] * n
+                errors[:] = [None] * n
+                in_order = True
+        if in_order:
+            for i in range(n):
+                run(i, False)
+        # replicas in order that drew nothing (now in eval mode?) go back to threads next time
+        draws.in_order = in_order and not _unchanged(gens, before)
     for i, err in enumerate(errors):
         if err is not None:
             _reraise(err, i, devs[i], caller)
     return results
+
+
+def _shared_generators(devs: Sequence[torch.device | None]) -> list[torch.Generator]:
+    """The default generators replicas on ``devs`` may draw from at once.
+
+    The CPU's (a replica on any device may draw host numbers), and the
+    generator of every CUDA device that runs more than one replica (a replica
+    alone on its device draws from that device's own, as in ``nn.DataParallel``).
+    """
+    gens = [torch.default_generator]
+    cuda = [d for d in devs if d is not None and d.type == "cuda"]
+    for d in dict.fromkeys(d for d in cuda if cuda.count(d) > 1):
+        index = d.index if d.index is not None else torch.cuda.current_device()
+        gens.append(torch.cuda.default_generators[index])
+    return gens
+
+
+def _unchanged(gens: Sequence[torch.Generator], states: Sequence[torch.Tensor]) -> bool:
+    return all(torch.equal(g.get_state(), s) for g, s in zip(gens, states))
 
 
 def _record_stream(tree: Any, dev: torch.device, stream: Any) -> None:
