@@ -228,7 +228,7 @@ def test_gather_rejects_bad_input() -> None:
         fr.gather([{"a": t, "b": [t, t]}, {"a": t, "b": [t]}], "cpu")
     with pytest.raises(
         ValueError,
-        match=r"fr\.gather: trees differ at \['a'\]: a tensor of shape \(2,\) in tree 0, a int \(3\) in tree 1",
+        match=r"fr\.gather: trees differ at \['a'\]: a tensor of shape \(2,\) and dtype torch\.float32 in tree 0, an int \(3\) in tree 1",
     ):
         fr.gather([{"a": t}, {"a": 3}], "cpu")
     with pytest.raises(
@@ -726,7 +726,7 @@ def test_all_reduce_rejects_bad_input() -> None:
         fr.all_reduce([[t, t], [t, t.double()]])
     with pytest.raises(
         ValueError,
-        match=r"fr\.all_reduce: trees differ at \[0\]: a tensor in tree 0, a str \('x'\) in tree 1",
+        match=r"fr\.all_reduce: trees differ at \[0\]: a tensor of shape \(2,\) and dtype torch\.float32 in tree 0, a str \('x'\) in tree 1",
     ):
         fr.all_reduce([[t], ["x"]])
     with pytest.raises(
