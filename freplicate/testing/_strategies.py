@@ -6,19 +6,39 @@ RNG, and shrinks towards seed 0; shapes, dtypes, nesting and module sizes are
 drawn directly and shrink towards the smallest. Every module class here is
 defined at module level, so drawn modules pickle (to spawned ranks) and
 deep-copy (to the stateful oracle).
+
+Besides the classic kinds drawn by default, ``modules()`` draws, when asked,
+the modules real training brings: blocks under activation checkpointing (both
+of ``torch.utils.checkpoint``'s modes and ``checkpoint_wrapper``), sparse
+embeddings, dropout, frozen sub-trees and compiled modules.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import optree
 import torch
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
 
-__all__ = ["ALL_DTYPES", "FLOAT_DTYPES", "Pair", "devices", "modules", "trees"]
+__all__ = [
+    "ALL_DTYPES",
+    "CHECKPOINT_MODES",
+    "CLASSIC_KINDS",
+    "FLOAT_DTYPES",
+    "KINDS",
+    "Pair",
+    "devices",
+    "modules",
+    "trees",
+]
 
 FLOAT_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -85,8 +105,18 @@ def devices(
 ) -> st.SearchStrategy[list[str]]:
     """Non-empty lists of this machine's devices (``"cpu"``, ``"cuda:i"``), repeats allowed.
 
-    Shrinks towards ``["cpu"]``. ``cpu=False`` or ``cuda=False`` leave that kind
-    out; asking for no device at all raises ``ValueError``.
+    Shrinks towards ``["cpu"]``.
+
+    Args:
+        max_size: the longest list.
+        cpu: draw ``"cpu"``.
+        cuda: draw this machine's CUDA devices.
+
+    Returns:
+        A strategy of lists of device strings.
+
+    Raises:
+        ValueError: no device to draw from, or ``max_size`` below 1.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10)
@@ -121,17 +151,28 @@ def trees(
 ) -> st.SearchStrategy[Any]:
     """Pytrees of tensors nested through dict, list, tuple, ``Pair`` (a NamedTuple) and None.
 
-    Tensor leaves have a dtype from ``dtypes``, up to ``max_dims`` dimensions
-    (0-dim included) of up to ``max_side`` elements each (empty included), and
-    lie on ``device``. With ``batch_size``, every tensor leaf has at least one
-    dimension and ``batch_size`` elements along dimension 0 (scatterable). With
-    ``non_tensor_leaves``, ints, floats, strings and None appear too (None is
-    a node to optree but a leaf to ``torch.utils._pytree`` and so to
-    ``torch.func``: without them, every leaf is a tensor in both views); with
-    ``aliased``, one tensor object may stand at several leaf positions (tied
-    weights); with ``views``, a tensor leaf may be a view that is not laid
-    out as a fresh tensor: transposed, strided, offset into a larger storage,
-    or expanded (stride 0). At most ``max_leaves`` leaves.
+    Args:
+        dtypes: the dtypes of the tensor leaves.
+        max_leaves: at most this many leaves.
+        max_dims: tensor leaves have up to this many dimensions (0-dim included).
+        max_side: the most elements along a dimension (0, an empty tensor, included).
+        batch_size: if given, every tensor leaf has at least one dimension
+            and ``batch_size`` elements along dimension 0 (scatterable).
+        aliased: one tensor object may stand at several leaf positions (tied
+            weights).
+        non_tensor_leaves: ints, floats, strings and None appear too (None is
+            a node to optree but a leaf to ``torch.utils._pytree`` and so to
+            ``torch.func``: without them, every leaf is a tensor in both views).
+        views: a tensor leaf may be a view that is not laid out as a fresh
+            tensor: transposed, strided, offset into a larger storage, or
+            expanded (stride 0).
+        device: where the tensor leaves lie.
+
+    Returns:
+        A strategy of trees.
+
+    Raises:
+        ValueError: no dtype, or a ``batch_size`` that ``max_dims`` cannot hold.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=10)
@@ -293,6 +334,79 @@ class Keywords(nn.Module):
         return out if shift is None else out + shift
 
 
+CHECKPOINT_MODES: tuple[str, ...] = (
+    "non_reentrant",
+    "reentrant",
+    "wrapper",
+    "wrapper_reentrant",
+)
+
+
+class Checkpointed(nn.Module):
+    """``Linear``, a block whose activations are recomputed in backward, ``Linear``.
+
+    ``how`` is one of ``CHECKPOINT_MODES``: ``torch.utils.checkpoint.checkpoint``
+    called in forward with ``use_reentrant=False`` or ``True``, or the block
+    wrapped by ``checkpoint_wrapper`` (its default non-reentrant
+    implementation, or the reentrant one). The block is a two-layer MLP, or a
+    ``TiedMLP`` (``tied``), so tied weights are recomputed too. The first
+    ``Linear`` makes the block's input require grad, as in real networks (a
+    reentrant checkpoint passes no gradient to its parameters otherwise).
+    """
+
+    def __init__(self, n: int, h: int, m: int, how: str, tied: bool) -> None:
+        super().__init__()
+        if how not in CHECKPOINT_MODES:
+            raise ValueError(f"Checkpointed: how must be one of {CHECKPOINT_MODES}, got {how!r}")
+        self.how = how
+        self.pre = nn.Linear(n, h)
+        block: nn.Module = (
+            TiedMLP(h) if tied else nn.Sequential(nn.Linear(h, h), nn.Tanh(), nn.Linear(h, h))
+        )
+        if how.startswith("wrapper"):
+            impl = (
+                CheckpointImpl.REENTRANT
+                if how == "wrapper_reentrant"
+                else CheckpointImpl.NO_REENTRANT
+            )
+            block = checkpoint_wrapper(block, checkpoint_impl=impl)
+        self.block = block
+        self.post = nn.Linear(h, m)
+
+    def extra_repr(self) -> str:
+        return f"how={self.how!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.tanh(self.pre(x))
+        if self.how in ("non_reentrant", "reentrant"):
+            z = checkpoint(self.block, z, use_reentrant=self.how == "reentrant")
+        else:
+            z = self.block(z)
+        return self.post(z)
+
+
+class SparseEmbedding(nn.Module):
+    """An embedding with sparse gradients (``sparse=True``) under a dense ``Linear`` head.
+
+    ``bag=None`` is an ``nn.Embedding`` (``(B, L)`` indices to ``(B, L, m)``);
+    ``"sum"`` or ``"mean"`` an ``nn.EmbeddingBag`` of that mode, one bag a row
+    (``(B, L)`` to ``(B, m)``). The embedding's gradient is a sparse COO
+    tensor, the head's a dense one.
+    """
+
+    def __init__(self, num: int, dim: int, m: int, bag: str | None) -> None:
+        super().__init__()
+        self.embed: nn.Module = (
+            nn.Embedding(num, dim, sparse=True)
+            if bag is None
+            else nn.EmbeddingBag(num, dim, mode=bag, sparse=True)
+        )
+        self.head = nn.Linear(dim, m)
+
+    def forward(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(indices))
+
+
 def _batch(
     tails: Sequence[Sequence[int]], dtype: torch.dtype, max_batch: int
 ) -> st.SearchStrategy[tuple[torch.Tensor, ...]]:
@@ -386,7 +500,45 @@ def _keywords(
     )
 
 
-_KINDS: dict[str, Callable[[_Draw, st.SearchStrategy[int], torch.dtype, int], _Built]] = {
+def _checkpointed(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    n, h, m = draw(size), draw(size), draw(size)
+    how = draw(st.sampled_from(CHECKPOINT_MODES))
+    module = Checkpointed(n, h, m, how, tied=draw(st.booleans()))
+    return module, _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
+
+
+def _indices(num: int, max_length: int, max_batch: int) -> st.SearchStrategy[torch.Tensor]:
+    """``(B, L)`` int64 indices below ``num``; few distinct ones, so that repeats are common."""
+
+    def make(b: int, length: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, num, (b, length), generator=g)
+
+    return st.builds(make, st.integers(1, max_batch), st.integers(1, max_length), _SEEDS)
+
+
+def _sparse(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    num, dim, m = draw(size), draw(size), draw(size)
+    bag = draw(st.sampled_from([None, "sum", "mean"]))
+    return SparseEmbedding(num, dim, m, bag), _indices(num, 3, max_batch)
+
+
+def _dropout(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    n, h, m = draw(size), draw(size), draw(size)
+    p = draw(st.sampled_from([0.5, 0.2]))
+    module = nn.Sequential(nn.Linear(n, h), nn.Dropout(p), nn.Tanh(), nn.Linear(h, m))
+    return module, _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
+
+
+_Builder = Callable[[_Draw, st.SearchStrategy[int], torch.dtype, int], _Built]
+
+_KINDS: dict[str, _Builder] = {
     "mlp": _mlp,
     "conv": _conv,
     "batchnorm": _batchnorm,
@@ -396,7 +548,16 @@ _KINDS: dict[str, Callable[[_Draw, st.SearchStrategy[int], torch.dtype, int], _B
     "unused": _unused,
     "positional": _positional,
     "keywords": _keywords,
+    "checkpoint": _checkpointed,
+    "sparse": _sparse,
+    "dropout": _dropout,
 }
+
+KINDS: tuple[str, ...] = tuple(_KINDS)
+"""Every kind ``modules()`` knows."""
+
+CLASSIC_KINDS: tuple[str, ...] = KINDS[: KINDS.index("keywords") + 1]
+"""The kinds ``modules()`` draws by default: deterministic, dense, differentiable by ``torch.func``."""
 
 
 def modules(
@@ -406,20 +567,71 @@ def modules(
     max_features: int = 4,
     max_batch: int = 5,
     training: bool | None = None,
+    frozen: bool | None = False,
+    compiled: bool | None = False,
+    compile_backends: Sequence[str] = ("eager", "aot_eager"),
 ) -> st.SearchStrategy[tuple[nn.Module, st.SearchStrategy[Any]]]:
     """Pairs ``(module, inputs)``: a small ``nn.Module`` and a strategy of valid inputs for it.
 
-    ``kinds`` picks among ``"mlp"``, ``"conv"`` (Conv1d/2d + BatchNorm),
+    ``inputs`` draws what the forward takes, every tensor with a batch of 1 to
+    ``max_batch`` along dimension 0: a tensor, a tuple of positional
+    arguments, or a dict of keyword arguments. The module's floating-point
+    parameters have a dtype from ``dtypes`` (``torch.float16`` and
+    ``torch.bfloat16`` included) and sides of at most ``max_features``.
+
+    The kinds drawn by default (``CLASSIC_KINDS``, shrinking towards
+    ``"mlp"``): ``"mlp"``, ``"conv"`` (Conv1d/2d + BatchNorm),
     ``"batchnorm"``, ``"tied"`` (tied weights), ``"buffers"`` (registered
     buffers updated in forward), ``"nested"`` (ModuleDict / ModuleList and a
     tree of outputs), ``"unused"`` (parameters that never reach the output,
-    and a frozen one), ``"positional"`` (``forward(x, y)``) and ``"keywords"``
-    (``forward(x, *, scale, shift)``); all by default, shrinking towards
-    ``"mlp"``. The module's parameters have a dtype from ``dtypes`` and sides
-    of at most ``max_features``; it is in training mode, eval mode or either
-    (``training=None``). ``inputs`` draws what the forward takes, every tensor
-    with a batch of 1 to ``max_batch`` along dimension 0: a tensor, a tuple of
-    positional arguments, or a dict of keyword arguments.
+    and a frozen one), ``"positional"`` (``forward(x, y)``) and
+    ``"keywords"`` (``forward(x, *, scale, shift)``).
+
+    Drawn only when named in ``kinds``, as each asks something of the test
+    that uses it:
+
+    - ``"checkpoint"``: a block under activation checkpointing, in one of
+      ``CHECKPOINT_MODES``: ``torch.utils.checkpoint.checkpoint`` with
+      ``use_reentrant=False`` or ``True``, or ``checkpoint_wrapper`` (from
+      ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper``) of
+      either implementation; the block may hold tied weights. Its forward
+      runs again during backward, and a reentrant checkpoint refuses
+      ``torch.autograd.grad`` and ``torch.func``: what an implementation
+      must still get right.
+    - ``"sparse"``: ``nn.Embedding(sparse=True)`` or
+      ``nn.EmbeddingBag(sparse=True)`` (mode sum or mean) under a ``Linear``
+      head; the inputs are int64 indices of shape ``(B, L)``; the
+      embedding's gradient is a sparse COO tensor.
+    - ``"dropout"``: ``Linear``, ``Dropout``, ``Tanh``, ``Linear``: in
+      training mode its output depends on the random number generator, so
+      seed it (``torch.manual_seed``) before each call you compare.
+
+    Other options:
+
+    Args:
+        kinds: the kinds to draw from (default: ``CLASSIC_KINDS``).
+        dtypes: dtypes of the floating-point parameters.
+        max_features: the largest side of a layer.
+        max_batch: the largest batch of the inputs.
+        training: the module's mode: ``True``, ``False``, or ``None`` (drawn).
+        frozen: freeze a sub-tree: ``requires_grad_(False)`` on a drawn
+            submodule, or on some of the parameters where they all sit in
+            one, leaving at least one trainable where there are two or more.
+            ``True``: always (where the module has parameters); ``False``:
+            never (only the ``"unused"`` kind's own frozen parameter);
+            ``None``: drawn.
+        compiled: return ``torch.compile(module, backend=b)`` (an
+            ``OptimizedModule``; ``b`` drawn from ``compile_backends``);
+            ``True``, ``False`` or ``None`` (drawn). A first call compiles
+            (about a second for ``"aot_eager"``): keep such examples few.
+        compile_backends: the ``torch.compile`` backends to draw from.
+
+    Returns:
+        A strategy of ``(module, inputs)`` pairs.
+
+    Raises:
+        ValueError: an unknown kind, no backend where ``compiled`` may be
+            true, or ``max_features`` or ``max_batch`` below 1.
 
     >>> from hypothesis import given, settings
     >>> @settings(max_examples=5)
@@ -429,19 +641,38 @@ def modules(
     ...     x = data.draw(inputs)
     ...     assert module(x).shape[0] == x.shape[0]
     >>> test()
+    >>> @settings(max_examples=5, deadline=None)
+    ... @given(modules(kinds=["checkpoint", "sparse"], frozen=True), st.data())
+    ... def test_frozen(pair, data):
+    ...     module, inputs = pair
+    ...     assert not all(p.requires_grad for p in module.parameters())
+    ...     module(data.draw(inputs)).sum().backward()
+    >>> test_frozen()
     """
-    names = list(_KINDS) if kinds is None else list(kinds)
+    names = list(CLASSIC_KINDS) if kinds is None else list(kinds)
     unknown = [k for k in names if k not in _KINDS]
     if unknown or not names:
         raise ValueError(
-            f"fr.testing.modules: unknown kinds {unknown!r}; choose among {list(_KINDS)!r}"
+            f"fr.testing.modules: unknown kinds {unknown!r}; choose among {list(KINDS)!r}"
         )
     if max_features < 1 or max_batch < 1:
         raise ValueError(
             "fr.testing.modules: max_features and max_batch must be at least 1, "
             f"got {max_features} and {max_batch}"
         )
-    return _modules(names, list(dtypes), max_features, max_batch, training)
+    if compiled is not False and not compile_backends:
+        raise ValueError(
+            "fr.testing.modules: compile_backends must name at least one torch.compile backend "
+            f"when compiled={compiled!r}"
+        )
+    options = _Options(frozen, compiled, tuple(compile_backends))
+    return _modules(names, list(dtypes), max_features, max_batch, training, options)
+
+
+class _Options(NamedTuple):
+    frozen: bool | None
+    compiled: bool | None
+    compile_backends: tuple[str, ...]
 
 
 @st.composite
@@ -452,6 +683,7 @@ def _modules(
     max_features: int,
     max_batch: int,
     training: bool | None,
+    options: _Options,
 ) -> _Built:
     build = _KINDS[draw(st.sampled_from(names))]
     dtype = draw(st.sampled_from(dtypes))
@@ -461,4 +693,29 @@ def _modules(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module, inputs = build(draw, st.integers(1, max_features), dtype, max_batch)
-    return module.to(dtype).train(mode), inputs
+    module = module.to(dtype).train(mode)
+    if draw(st.booleans()) if options.frozen is None else options.frozen:
+        _freeze(draw, module)
+    if draw(st.booleans()) if options.compiled is None else options.compiled:
+        backend = draw(st.sampled_from(options.compile_backends))
+        module = cast(nn.Module, torch.compile(module, backend=backend))
+    return module, inputs
+
+
+def _freeze(draw: _Draw, module: nn.Module) -> None:
+    """``requires_grad_(False)`` on a drawn sub-tree, leaving one parameter trainable if it can."""
+    params = list(module.parameters())
+    if not params:
+        return
+    smaller = [
+        sub
+        for name, sub in module.named_modules()
+        if name and 0 < len(list(sub.parameters())) < len(params)
+    ]
+    if smaller:
+        draw(st.sampled_from(smaller)).requires_grad_(False)
+        return
+    # every parameter sits in one module (or the root): freeze some of them one by one
+    count = draw(st.integers(1, max(1, len(params) - 1)))
+    for p in draw(st.permutations(params))[:count]:
+        p.requires_grad_(False)
