@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -20,10 +21,20 @@ from freplicate.testing import (
     assert_trees_close,
     check_against_stateful,
     devices,
+    init_loopback_group,
     modules,
     trees,
 )
-from freplicate.testing._strategies import ALL_DTYPES, Pair
+from freplicate.testing._strategies import (
+    ALL_DTYPES,
+    CHECKPOINT_MODES,
+    CLASSIC_KINDS,
+    KINDS,
+    Checkpointed,
+    Pair,
+    SparseEmbedding,
+    TiedMLP,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -104,6 +115,24 @@ def test_tolerances_are_passed_to_assert_close():
     assert_trees_close(a, b, rtol=0.0, atol=0.02)
 
 
+@pytest.mark.parametrize(
+    ("tolerances", "message"),
+    [
+        ({"rtol": 0.1}, "got rtol=0.1 and no atol"),
+        ({"atol": 0.0}, "got atol=0.0 and no rtol"),
+        ({"rtol": 0.1, "atol": None}, "got rtol=0.1 and no atol"),
+    ],
+)
+def test_one_tolerance_without_the_other_is_refused(tolerances: dict[str, Any], message: str):
+    expected = re.escape(f"give rtol and atol together, or neither; {message}")
+    with pytest.raises(ValueError, match="assert_trees_close: " + expected):
+        assert_trees_close({"w": torch.ones(1)}, {"w": torch.ones(1)}, **tolerances)
+    with pytest.raises(ValueError, match="assert_trees_close: " + expected):
+        assert_trees_close({"n": 1}, {"n": 1}, **tolerances)  # no tensor to compare: refused too
+    with pytest.raises(ValueError, match="check_against_stateful: " + expected):
+        check_against_stateful(nn.Linear(2, 2), (torch.ones(2, 2),), ["cpu"], **tolerances)
+
+
 # --------------------------------------------------------------------------- check_against_stateful
 
 
@@ -156,6 +185,12 @@ def _wrong_buffers(module, state, *args, devices, **kwargs):
     return out, state  # the buffers as they were before the call
 
 
+def _touching_grad(module, state, *args, devices, **kwargs):
+    out, new = _real_data_parallel(module, state, *args, devices=devices, **kwargs)
+    module[0].weight.grad = torch.ones_like(module[0].weight)  # as a backward into it would
+    return out, new
+
+
 def _mutating(module, state, *args, devices, **kwargs):
     out, new = _real_data_parallel(module, state, *args, devices=devices, **kwargs)
     with torch.no_grad():
@@ -170,6 +205,7 @@ def _mutating(module, state, *args, devices, **kwargs):
         (_wrong_gradient, r"gradients of fr\.data_parallel differ .*\['0\.weight'\]"),
         (_wrong_buffers, r"buffers of fr\.data_parallel differ .*\['1\.num_batches_tracked'\]"),
         (_mutating, r"fr\.data_parallel modified the module's '1\.running_mean'"),
+        (_touching_grad, r"fr\.data_parallel changed the \.grad of the module's '0\.weight'"),
     ],
 )
 def test_the_oracle_fails_on_a_wrong_functional_result(monkeypatch, wrong, message: str):
@@ -200,6 +236,63 @@ def test_without_hypothesis_the_import_error_says_what_to_install(monkeypatch):
         importlib.import_module("freplicate.testing")
     with pytest.raises(ImportError, match=expected):
         fr.testing  # noqa: B018
+
+
+_WITHOUT_HYPOTHESIS = """
+import sys
+sys.modules["hypothesis"] = None  # what an absent package looks like to import
+from freplicate import *
+assert "testing" not in dir(), "the star import must not reach fr.testing"
+import freplicate as fr
+try:
+    fr.testing
+except ImportError as err:
+    print(err)
+"""
+
+
+def test_a_star_import_works_without_hypothesis():
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_HYPOTHESIS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "fr.testing needs the optional 'hypothesis' dependency" in done.stdout
+
+
+# --------------------------------------------------------------------------- init_loopback_group
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        (
+            {"rank": 2, "world_size": 2},
+            ValueError,
+            r"rank must be in \[0, world_size\) = \[0, 2\), got rank=2",
+        ),
+        ({"rank": -1, "world_size": 2}, ValueError, r"rank must be in .* got rank=-1"),
+        (
+            {"rank": 0, "world_size": 0},
+            ValueError,
+            r"world_size must be at least 1, got world_size=0",
+        ),
+        ({"rank": 0, "world_size": "2"}, TypeError, r"world_size must be an int, got '2'"),
+        ({"rank": 1.0, "world_size": 2}, TypeError, r"rank must be an int, got 1\.0"),
+        ({"rank": 0, "world_size": 1, "timeout": 0}, ValueError, r"timeout must be a positive"),
+        ({"rank": 0, "world_size": 1, "timeout": float("nan")}, ValueError, r"timeout must be"),
+        ({"rank": 0, "world_size": 1, "timeout": "30"}, TypeError, r"timeout must be a number"),
+    ],
+)
+def test_init_loopback_group_names_a_bad_argument(
+    tmp_path: Path, arguments: dict[str, Any], error: type[Exception], message: str
+):
+    with pytest.raises(error, match=r"fr\.testing\.init_loopback_group: " + message):
+        init_loopback_group(str(tmp_path / "store"), **arguments)
+    assert not (tmp_path / "store").exists(), "refused before any rendezvous"
 
 
 # --------------------------------------------------------------------------- strategies
@@ -331,6 +424,94 @@ def test_modules_have_what_their_kind_promises():
 def test_modules_reject_unknown_kinds():
     with pytest.raises(ValueError, match=r"fr\.testing\.modules: unknown kinds \['lstm'\]"):
         modules(kinds=["lstm"])
+    with pytest.raises(ValueError, match=r"fr\.testing\.modules: compile_backends must name"):
+        modules(compiled=None, compile_backends=[])
+
+
+def test_modules_draw_only_the_classic_kinds_unless_asked():
+    assert set(CLASSIC_KINDS) < set(KINDS)
+    assert {"checkpoint", "sparse", "dropout"} == set(KINDS) - set(CLASSIC_KINDS)
+    drawn = _collect(modules(), 100)
+    assert not any(isinstance(m, (Checkpointed, SparseEmbedding)) for m, _ in drawn)
+    assert not any(isinstance(x, nn.Dropout) for m, _ in drawn for x in m.modules())
+
+
+def _grads(module: nn.Module, x: Any) -> dict[str, torch.Tensor | None]:
+    args, kwargs = _split(x)
+    module.zero_grad(set_to_none=True)
+    out = module(*args, **kwargs)
+    if out.requires_grad:
+        out.pow(2).sum().backward()
+    return {k: p.grad for k, p in module.named_parameters()}
+
+
+def test_checkpoint_modules_recompute_their_block_in_every_mode():
+    drawn = _collect(st.tuples(modules(kinds=["checkpoint"]), st.data()), 60)
+    assert {m.how for (m, _), _ in drawn} == set(CHECKPOINT_MODES)
+    blocks = {type(getattr(m.block, "_checkpoint_wrapped_module", m.block)) for (m, _), _ in drawn}
+    assert blocks == {nn.Sequential, TiedMLP}, "plain and tied blocks"
+    for how in CHECKPOINT_MODES:
+        module, inputs = next(pair for pair, _ in drawn if pair[0].how == how)
+        calls: list[int] = []
+        inner = getattr(module.block, "_checkpoint_wrapped_module", module.block)
+        hook = inner.register_forward_pre_hook(lambda *_, calls=calls: calls.append(1))
+        grads = _grads(module, _first(inputs))
+        hook.remove()
+        assert len(calls) == 2, f"{how}: the block runs again in backward"
+        assert all(g is not None for g in grads.values())
+        assert f"how={how!r}" in repr(module)
+
+
+def test_sparse_modules_take_indices_and_give_sparse_gradients():
+    for module, inputs in _collect(modules(kinds=["sparse"]), 20):
+        x = _first(inputs)
+        assert x.dtype == torch.int64 and x.dim() == 2
+        assert int(x.max()) < module.embed.num_embeddings
+        grads = _grads(module, x)
+        assert grads["embed.weight"].is_sparse and not grads["head.weight"].is_sparse
+
+
+def test_dropout_modules_draw_random_numbers_in_training_only():
+    module, inputs = _first(modules(kinds=["dropout"], training=True, max_features=4))
+    x = _first(inputs)
+    torch.manual_seed(0)
+    a = module(x)
+    torch.manual_seed(0)
+    assert torch.equal(a, module(x)), "one seed, one answer"
+    assert any(isinstance(m, nn.Dropout) for m in module.modules())
+    module.eval()
+    assert torch.equal(module(x), module(x))
+
+
+def test_frozen_modules_freeze_a_sub_tree_and_keep_one_trainable():
+    seen_partial = False
+    for module, _ in _collect(modules(kinds=list(KINDS), frozen=True), 150):
+        flags = [p.requires_grad for p in module.parameters()]
+        if flags:
+            assert not all(flags), "something is frozen"
+        if len(flags) >= 2:
+            assert any(flags), "at least one parameter stays trainable"
+            seen_partial = True
+    assert seen_partial
+    either = _collect(modules(frozen=None), 100)
+    assert {all(p.requires_grad for p in m.parameters() if m) for m, _ in either} == {True, False}
+    never = _collect(modules(kinds=["mlp", "tied", "checkpoint"]), 50)
+    assert all(p.requires_grad for m, _ in never for p in m.parameters())
+
+
+def test_compiled_modules_are_optimized_modules_of_a_drawn_backend():
+    drawn = _collect(modules(kinds=["mlp"], compiled=True, compile_backends=["eager"]), 10)
+    assert all(type(m).__name__ == "OptimizedModule" for m, _ in drawn)
+    assert all(isinstance(m._orig_mod, nn.Sequential) for m, _ in drawn)
+    never = _collect(modules(kinds=["mlp"]), 10)
+    assert not any(type(m).__name__ == "OptimizedModule" for m, _ in never)
+
+
+def test_half_precision_modules_have_half_parameters():
+    for dtype in (torch.float16, torch.bfloat16):
+        module, inputs = _first(modules(kinds=["mlp", "tied"], dtypes=[dtype]))
+        assert all(p.dtype == dtype for p in module.parameters())
+        assert _first(inputs).dtype == dtype
 
 
 def test_devices_are_this_machines_with_repeats():

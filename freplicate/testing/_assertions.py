@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-__all__ = ["assert_trees_close"]
+__all__ = ["assert_trees_close", "check_tolerances"]
 
 
 def assert_trees_close(
@@ -23,9 +23,22 @@ def assert_trees_close(
     """Assert that two trees have the same structure and close leaves.
 
     Tensor leaves are compared with ``torch.testing.assert_close(actual,
-    expected, rtol=rtol, atol=atol)`` (its dtype-dependent defaults when both
-    are ``None``; give both or neither); other leaves must be equal. The
-    ``AssertionError`` names the path of the first difference.
+    expected, rtol=rtol, atol=atol)``, other leaves with ``==``.
+
+    Args:
+        actual: a tree.
+        expected: the tree ``actual`` must equal.
+        rtol: relative tolerance, given together with ``atol``; both
+            ``None`` (the default) take ``torch.testing.assert_close``'s
+            defaults for each leaf's dtype. One without the other is refused,
+            as ``torch.testing.assert_close`` refuses it: a lone tolerance
+            would silently be paired with a default that may not fit.
+        atol: absolute tolerance, given together with ``rtol``.
+
+    Raises:
+        AssertionError: the structures differ, or two leaves do; the message
+            names the path of the first difference.
+        ValueError: ``rtol`` without ``atol``, or the reverse.
 
     >>> assert_trees_close({"w": torch.ones(2), "n": 3}, {"w": torch.ones(2), "n": 3})
     >>> assert_trees_close({"w": [torch.ones(2)]}, {"w": [torch.zeros(2)]})
@@ -36,7 +49,12 @@ def assert_trees_close(
     Traceback (most recent call last):
     ...
     AssertionError: assert_trees_close: structures differ at ['w']: list of 2 in actual, tuple of 2 in expected
+    >>> assert_trees_close({"w": torch.ones(2)}, {"w": torch.ones(2)}, rtol=1e-3)
+    Traceback (most recent call last):
+    ...
+    ValueError: assert_trees_close: give rtol and atol together, or neither; got rtol=0.001 and no atol
     """
+    check_tolerances(rtol, atol, "assert_trees_close")
     if optree.tree_structure(actual) != optree.tree_structure(expected):
         path, got, want = _structure_difference(actual, expected, "")
         raise AssertionError(
@@ -50,6 +68,16 @@ def assert_trees_close(
         if problem is not None:
             path = accessor.codify("") or "the root"
             raise AssertionError(f"assert_trees_close: leaves differ at {path}: {problem}")
+
+
+def check_tolerances(rtol: float | None, atol: float | None, fn: str) -> None:
+    """``ValueError`` naming ``fn`` unless ``rtol`` and ``atol`` are both given or both ``None``."""
+    if (rtol is None) != (atol is None):
+        given, missing = ("rtol", "atol") if atol is None else ("atol", "rtol")
+        value = rtol if atol is None else atol
+        raise ValueError(
+            f"{fn}: give rtol and atol together, or neither; got {given}={value!r} and no {missing}"
+        )
 
 
 def _leaf_difference(a: Any, e: Any, rtol: float | None, atol: float | None) -> str | None:

@@ -1,8 +1,10 @@
 """``check_against_stateful``: ``fr.data_parallel`` against PyTorch's stateful DataParallel.
 
 The functional side is what a user writes: ``fr.state``, ``fr.data_parallel``
-and ``torch.autograd.grad`` of a loss on the gathered output with respect to
-``state.params``. The stateful side runs on a deep copy of the module, so the
+and ``.backward()`` of a loss on the gathered output into fresh leaves that
+require grad, one for each trainable entry of ``state.params`` (not
+``torch.autograd.grad``, which a reentrant activation checkpoint refuses, in
+the stateful module too). The stateful side runs on a deep copy of the module, so the
 caller's module is never touched: ``nn.DataParallel`` itself when the devices
 are distinct CUDA devices; otherwise (CPU, repeated or mixed devices, where
 ``nn.DataParallel`` cannot run) the same steps DataParallel takes, done by
@@ -27,7 +29,7 @@ from torch import nn
 
 import freplicate as fr
 
-from ._assertions import assert_trees_close
+from ._assertions import assert_trees_close, check_tolerances
 
 __all__ = ["check_against_stateful"]
 
@@ -43,23 +45,41 @@ def check_against_stateful(
 ) -> None:
     """Assert that ``fr.data_parallel`` gives DataParallel's outputs, gradients and buffers.
 
-    ``inputs`` is a tuple of positional arguments (a single tensor may be
-    given as is, and a dict is taken as keyword arguments: exactly what the
-    ``inputs`` strategy of ``fr.testing.modules()`` draws). Compares the
-    gathered outputs, the gradients of a loss on them with respect to every
-    parameter that requires grad (zero where PyTorch leaves ``None``), and the
-    buffers after the call, with ``assert_trees_close(rtol=, atol=)``; also
-    asserts that neither the module's tensors nor the inputs were modified.
-    Raises ``AssertionError`` naming what differs and where. With
-    ``buffers="mean"`` (``fr.data_parallel``'s option, which DataParallel
-    lacks), the reference buffers are the mean over the replicas' copies of
-    every floating-point buffer, the others replica 0's.
+    Compares the gathered outputs, the gradients of a loss on them with
+    respect to every parameter that requires grad (zero where PyTorch leaves
+    ``None``; a sparse gradient by its dense values, whatever its layout on
+    either side), and the buffers after the call, with
+    ``assert_trees_close(rtol=, atol=)``; also asserts that neither side
+    modified the module's tensors (values, ``_version``, ``.grad``) or the
+    inputs. The gradients come from ``.backward()``, as in a training loop,
+    so a reentrant activation checkpoint works on both sides.
+
+    Args:
+        module: the module; never modified (the stateful side runs on copies).
+        inputs: a tuple of positional arguments; a single tensor may be given
+            as is, and a dict is taken as keyword arguments: exactly what the
+            ``inputs`` strategy of ``fr.testing.modules()`` draws.
+        devices: the device list of ``fr.data_parallel``.
+        buffers: ``fr.data_parallel``'s buffer policy. With ``"mean"`` (which
+            DataParallel lacks), the reference buffers are the mean over the
+            replicas' copies of every floating-point buffer, the others
+            replica 0's.
+        rtol: relative tolerance, given together with ``atol`` (or neither).
+        atol: absolute tolerance, given together with ``rtol``.
+
+    Raises:
+        AssertionError: the two sides differ (the message says what and
+            where), or one of them modified what it was given.
+        ValueError: an unknown ``buffers``, no device, or one tolerance
+            without the other.
+        TypeError: ``inputs`` is not a tuple, tensor or dict.
 
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <...>
     >>> model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU())
     >>> check_against_stateful(model, (torch.randn(6, 3),), ["cpu", "cpu", "cpu"])
     """
+    check_tolerances(rtol, atol, "check_against_stateful")
     args, kwargs = _arguments(inputs)
     if buffers not in ("first", "mean"):
         raise ValueError(
@@ -77,7 +97,7 @@ def check_against_stateful(
 
     for what, actual, expected in (
         ("outputs", out_f, out_s),
-        ("gradients", grads_f, grads_s),
+        ("gradients", _dense(grads_f), _dense(grads_s)),
         ("buffers", buffers_f, buffers_s),
     ):
         try:
@@ -140,9 +160,10 @@ def _functional(
     wrt = [params[name] for name in params if name in trainable]
     loss = _loss(out)
     if loss is not None and loss.requires_grad and wrt:
-        grads = torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True)
-    else:
-        grads = tuple(torch.zeros_like(p) for p in wrt)
+        # .backward() into these fresh leaves, as a training loop does: a reentrant activation
+        # checkpoint refuses torch.autograd.grad (in the stateful module too)
+        loss.backward()
+    grads = tuple(torch.zeros_like(p) if p.grad is None else p.grad for p in wrt)
     named = dict(zip([n for n in params if n in trainable], grads))
     return _detached(out), named, dict(new.buffers)
 
@@ -246,11 +267,22 @@ def _gather(outs: list[Any], device: torch.device) -> Any:
     return first if all(o == first for o in outs) else tuple(outs)
 
 
+def _dense(tree: Any) -> Any:
+    """Sparse leaves as dense: a sparse gradient (``nn.Embedding(sparse=True)``) is compared by value."""
+    return optree.tree_map(
+        lambda x: x.to_dense() if isinstance(x, torch.Tensor) and x.is_sparse else x, tree
+    )
+
+
 def _detached(tree: Any) -> Any:
     return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
 
 
-def _snapshot(tree: Any) -> list[tuple[str, torch.Tensor, int, torch.Tensor]]:
+# (what, tensor, _version, value, .grad object) of every tensor the oracle must leave alone
+_Snapshot = list[tuple[str, torch.Tensor, int, torch.Tensor, torch.Tensor | None]]
+
+
+def _snapshot(tree: Any) -> _Snapshot:
     module, args, kwargs = tree
     found: list[tuple[str, torch.Tensor]] = [
         (f"the module's {name!r}", t)
@@ -262,10 +294,12 @@ def _snapshot(tree: Any) -> list[tuple[str, torch.Tensor, int, torch.Tensor]]:
         if isinstance(leaf, torch.Tensor):
             which = "args" if accessor[0].entry == 0 else "kwargs"
             found.append((f"input {which}{optree.PyTreeAccessor(accessor[1:]).codify('')}", leaf))
-    return [(what, t, t._version, t.detach().clone()) for what, t in found]
+    return [(what, t, t._version, t.detach().clone(), t.grad) for what, t in found]
 
 
-def _check_unchanged(before: list[tuple[str, torch.Tensor, int, torch.Tensor]], by: str) -> None:
-    for what, t, version, value in before:
-        if t._version != version or not torch.equal(t.detach(), value):
+def _check_unchanged(before: _Snapshot, by: str) -> None:
+    for what, t, version, value, grad in before:
+        if t._version != version or not torch.equal(_dense(t.detach()), _dense(value)):
             raise AssertionError(f"check_against_stateful: {by} modified {what}")
+        if t.grad is not grad:  # a backward that reached the caller's own tensors
+            raise AssertionError(f"check_against_stateful: {by} changed the .grad of {what}")
