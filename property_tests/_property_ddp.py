@@ -28,7 +28,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _property_support import Unchanged, refill
+from _property_support import Unchanged, dense, refill
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -151,6 +151,29 @@ def _call(module: torch.nn.Module, inputs: Any) -> Any:
     return module(*inputs) if isinstance(inputs, tuple) else module(inputs)
 
 
+def _ddp_reference(
+    module: torch.nn.Module, inputs: Any, *, compress: str | None = None, **ddp_options: Any
+) -> tuple[torch.nn.Module, torch.Tensor, dict[str, torch.Tensor]]:
+    """DDP's step on a copy of ``module``: the copy, the loss, and the reduced gradients.
+
+    DDP reduces the parameters that require grad; the others have no gradient
+    to compare. ``ddp_options`` default to ``find_unused_parameters=True``.
+    """
+    reference = copy.deepcopy(module)
+    ddp = DistributedDataParallel(reference, **{"find_unused_parameters": True, **ddp_options})
+    if compress is not None:
+        ddp.register_comm_hook(None, _HOOKS[compress])
+    ddp_loss = _loss(_call(ddp, inputs))
+    if ddp_loss.requires_grad:  # not when every parameter that reaches it is frozen
+        ddp_loss.backward()
+    want = {
+        name: q.grad if q.grad is not None else torch.zeros_like(q)
+        for name, q in reference.named_parameters()
+        if q.requires_grad
+    }
+    return reference, ddp_loss, want
+
+
 def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
     """fr.distributed.grad_and_value (and all_reduce of local gradients) equal DDP's gradients.
 
@@ -162,18 +185,7 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
         p["bucket_cap_mb"],
         p["compress"],
     )
-    reference = copy.deepcopy(module)
-    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
-    if compress is not None:
-        ddp.register_comm_hook(None, _HOOKS[compress])
-    ddp_loss = _loss(_call(ddp, inputs))
-    ddp_loss.backward()
-    # DDP reduces the parameters that require grad; the others have no gradient to compare
-    want = {
-        name: q.grad if q.grad is not None else torch.zeros_like(q)
-        for name, q in reference.named_parameters()
-        if q.requires_grad
-    }
+    reference, ddp_loss, want = _ddp_reference(module, inputs, compress=compress)
 
     s = fr.state(module)
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else (_tuple(inputs), {})
@@ -203,6 +215,52 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
     torch.testing.assert_close(value, ddp_loss.detach())
     assert_trees_close({k: grads[k] for k in want}, want, rtol=1e-5, atol=1e-6)
     assert_trees_close({k: reduced[k] for k in want}, want, rtol=1e-5, atol=1e-6)
+
+
+def check_training_module(rank: int, p: dict[str, Any]) -> None:
+    """On modules real training brings, fr.distributed.grad_and_value equals DDP's gradients.
+
+    Only the trainable parameters are differentiated (split off with
+    ``fr.partition``, the frozen ones closed over), as DDP reduces only those; sparse gradients (``sparse=True``
+    embeddings) are compared by value. DDP needs ``static_graph`` for a
+    reentrant checkpoint (its reducer would see the block's parameters ready
+    twice otherwise).
+    """
+    module, inputs = p["module"], p["inputs"][rank]
+    reentrant = getattr(module, "how", "") in ("reentrant", "wrapper_reentrant")
+    _, ddp_loss, want = _ddp_reference(
+        module, inputs, find_unused_parameters=not reentrant, static_graph=reentrant
+    )
+
+    s = fr.state(module)
+    train, frozen = fr.partition(s.params, module)
+    args, kwargs = ((), inputs) if isinstance(inputs, dict) else (_tuple(inputs), {})
+
+    def loss_fn(train: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.apply(module, fr.State(fr.combine(train, frozen), s.buffers), *args, **kwargs)
+        return _loss(out)
+
+    unchanged = Unchanged(s, inputs)
+    grads, value = fr.distributed.grad_and_value(loss_fn)(train)
+    local, _ = fr.grad_and_value(loss_fn)(train)
+    reduced = fr.distributed.all_reduce(local)
+    unchanged.check("fr.distributed.grad_and_value / all_reduce")
+    torch.testing.assert_close(value, ddp_loss.detach())
+    assert set(grads) == set(want), "gradients for other parameters than DDP reduces"
+    assert_trees_close(dense(grads), dense(want), rtol=1e-5, atol=1e-6)
+    assert_trees_close(dense(reduced), dense(want), rtol=1e-5, atol=1e-6)
+
+
+def check_large_half_mean(rank: int, p: dict[str, Any]) -> None:
+    """fr.distributed.all_reduce's mean of large float16 / bfloat16 values is finite and right."""
+    everyone = p["trees"]
+    out = fr.distributed.all_reduce(everyone[rank], op="mean")
+    for got, *column in zip(*(optree.tree_leaves(t) for t in (out, *everyone))):
+        assert torch.isfinite(got).all(), f"a mean of finite {got.dtype} values overflowed"
+        values = torch.stack([c.double() for c in column])
+        eps = torch.finfo(got.dtype).eps
+        atol = WORLD * eps * float(values.abs().max()) if values.numel() else 0.0
+        torch.testing.assert_close(got, values.mean(0).to(got.dtype), rtol=2 * eps, atol=atol)
 
 
 def _tuple(x: Any) -> tuple[Any, ...]:
@@ -257,4 +315,6 @@ CHECKS: dict[str, Callable[[int, dict[str, Any]], Any]] = {
     "all_reduce": check_all_reduce,
     "broadcast": check_broadcast,
     "mismatch": check_mismatch,
+    "training_module": check_training_module,
+    "large_half_mean": check_large_half_mean,
 }

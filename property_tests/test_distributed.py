@@ -19,6 +19,7 @@ from _property_ddp import WORLD, RankPool
 from _property_support import examples
 from hypothesis import given
 from hypothesis import strategies as st
+from test_half_precision import large
 
 from freplicate.testing import modules, trees
 from freplicate.testing._strategies import FLOAT_DTYPES
@@ -112,3 +113,46 @@ def test_trees_that_differ_across_ranks_raise_on_every_rank(
     messages = _all_ok(ranks.run("mismatch", {"trees": pair, "reduced_before": reduced_before}))
     for message in messages:
         assert message.startswith("fr.distributed.all_reduce")
+
+
+# the modules real training brings; a compiled one cannot travel to the ranks (no pickling)
+def _training_module(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+) -> None:
+    module, inputs = pair
+    per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
+    _all_ok(ranks.run("training_module", {"module": module, "inputs": per_rank}))
+
+
+@examples(0.2)
+@given(modules(kinds=["checkpoint"], frozen=None), st.data())
+def test_grad_and_value_equals_ddp_on_checkpointed_modules(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+):
+    _training_module(ranks, pair, data)
+
+
+@examples(0.2)
+@given(modules(kinds=["sparse"], frozen=None), st.data())
+def test_grad_and_value_equals_ddp_on_sparse_embeddings(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+):
+    _training_module(ranks, pair, data)
+
+
+@examples(0.2)
+@given(modules(kinds=["mlp", "conv", "tied", "nested", "unused"], frozen=True), st.data())
+def test_grad_and_value_equals_ddp_on_frozen_sub_trees(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+):
+    _training_module(ranks, pair, data)
+
+
+@examples(0.2)
+@given(
+    trees(dtypes=(torch.float16, torch.bfloat16), non_tensor_leaves=False, aliased=False),
+    st.integers(0, 2**16),
+)
+def test_all_reduce_mean_of_large_half_values_is_finite(ranks: RankPool, tree: Any, seed: int):
+    everyone = [large(tree, seed + r) for r in range(WORLD)]
+    _all_ok(ranks.run("large_half_mean", {"trees": everyone}))
