@@ -21,7 +21,7 @@ from __future__ import annotations
 import pickle
 import weakref
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import optree
 import torch
@@ -138,7 +138,7 @@ def verify(
     mismatch(plan, tree, group, caller)
 
 
-def mismatch(plan: Plan, tree: TensorTree, group: Any, caller: str) -> None:
+def mismatch(plan: Plan, tree: TensorTree, group: Any, caller: str) -> NoReturn:
     """Raise naming how the layouts differ (or who failed); every rank calls it together."""
     try:
         skeleton: bytes | None = pickle.dumps(optree.tree_map(describe, tree))
@@ -160,17 +160,18 @@ class _Failed(NamedTuple):
     error: str
 
 
-def failure(group: Any, caller: str, error: BaseException | None = None) -> None:
+def failure(group: Any, caller: str, error: BaseException | None = None) -> NoReturn:
     """Every rank, together, once a flag said a rank failed: raise naming the failing rank(s).
 
     A failing rank passes its ``error`` and raises it again itself; the
     others raise ``RuntimeError`` naming the rank and its error.
     """
     mine = None if error is None else _Failed(caller, f"{type(error).__name__}: {error}")
-    _gather(mine, group, caller)  # raises on every rank
+    _gather(mine, group, caller)  # raises on every rank, unless no rank said what failed
+    raise RuntimeError(f"{caller}: a rank flagged its call as failed; no result on any rank")
 
 
-def announce_failure(group: Any, world: int, caller: str, error: BaseException) -> None:
+def announce_failure(group: Any, world: int, caller: str, error: BaseException) -> NoReturn:
     """A rank that failed before its call's first collective joins the peers' and raises.
 
     It meets the others' first collective, whatever its peers run: a mirror

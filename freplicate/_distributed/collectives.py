@@ -61,7 +61,9 @@ def all_reduce(
         bucket_cap_mb: the most megabytes a bucket holds.
         compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
             that dtype, ``None`` to send them as they are.
-        check: ``False`` skips the cross-rank layout check.
+        check: ``False`` skips the cross-rank layout check, and with it the promise
+            that ranks that part ways raise instead of hanging (pass it alike on
+            every rank).
 
     Returns:
         The reduced tree; ``tree`` itself without an initialised process group,
@@ -165,7 +167,9 @@ def broadcast(
             its layout, not its values, matters).
         src: the global rank whose values every rank gets; a rank of ``group``.
         group: the process group (default: the default group).
-        check: ``False`` skips the cross-rank layout check.
+        check: ``False`` skips the cross-rank layout check, and with it the promise
+            that ranks that part ways raise instead of hanging (pass it alike on
+            every rank).
 
     Returns:
         The tree of ``src``'s values; ``tree`` itself without an initialised

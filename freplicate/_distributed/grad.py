@@ -112,7 +112,9 @@ def grad_and_value(
         argnums: which positional argument is differentiated (a tree of tensors).
         compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
             that dtype.
-        check: ``False`` skips the cross-rank layout check.
+        check: ``False`` skips the cross-rank layout check, and with it the promise
+            that ranks that part ways raise instead of hanging (pass it alike on
+            every rank).
 
     Returns:
         ``g(*args) -> (grads, value)``.
