@@ -117,24 +117,24 @@ def data_parallel(
         >>> out.shape, int(new.buffers["1.num_batches_tracked"])
         (torch.Size([8, 2]), 1)
     """
-    name = "fr.data_parallel"
-    check_state(name, state)
-    check_choice(name, "buffers", buffers, ("first", "mean"))
-    check_int(name, "dim", dim)
-    devs = as_devices(devices, caller=name)
+    caller = "fr.data_parallel"
+    check_state(caller, state)
+    check_choice(caller, "buffers", buffers, ("first", "mean"))
+    check_int(caller, "dim", dim)
+    devs = as_devices(devices, caller=caller)
     out_dev = (
         devs[0]
         if output_device is None
-        else as_device(output_device, caller=name, arg="output_device")
+        else as_device(output_device, caller=caller, arg="output_device")
     )
     if not inputs and not kwargs:
         shards: list[tuple[tuple[Any, ...], dict[str, Any]]] = [((), {})]
     elif not kwargs:
         # inputs alone (Dynamo cannot flatten the empty kwargs dict without a graph break)
-        cut = shard(inputs, devs, dim, caller=name, rename=lambda p: f"inputs{p}")
+        cut = shard(inputs, devs, dim, caller=caller, rename=lambda p: f"inputs{p}")
         shards = [(s, {}) for s in cut]
     else:
-        shards = shard((inputs, kwargs), devs, dim, caller=name, rename=_as_call_args)
+        shards = shard((inputs, kwargs), devs, dim, caller=caller, rename=_as_call_args)
     used = devs[: len(shards)]
     replicas = replicate(state, used)
     if is_compiling():
@@ -149,7 +149,7 @@ def data_parallel(
             [s[0] for s in shards],
             [s[1] for s in shards],
             used,
-            caller=name,
+            caller=caller,
             draws=draws,
         )
     if len(devs) == 1:
@@ -159,7 +159,7 @@ def data_parallel(
             output = replicate(output, [out_dev])[0]
     else:
         output = gather([r[0] for r in results], out_dev, dim=dim)
-    new_buffers = _combine_buffers([r[1].buffers for r in results], state.buffers, buffers, name)
+    new_buffers = _combine_buffers([r[1].buffers for r in results], state.buffers, buffers, caller)
     return output, State(state.params, new_buffers)
 
 
@@ -167,7 +167,7 @@ def _combine_buffers(
     per_replica: list[dict[str, torch.Tensor]],
     given: Mapping[str, torch.Tensor],
     how: str,
-    name: str,
+    caller: str,
 ) -> dict[str, torch.Tensor]:
     first = per_replica[0]
     keys = list(first)
@@ -177,7 +177,7 @@ def _combine_buffers(
     targets = [given[k].device if k in given else v.device for k, v in zip(keys, values)]
     paths = [f"buffers[{k!r}]" for k in keys]
     per = [[bufs[k] for k in keys] for bufs in per_replica] if how == "mean" else [values]
-    return dict(zip(keys, _first_or_mean(per, how, targets, paths, name)))
+    return dict(zip(keys, _first_or_mean(per, how, targets, paths, caller)))
 
 
 def data_parallel_grad(
@@ -275,28 +275,28 @@ def data_parallel_grad(
         >>> sorted(grads), buffers["1.running_mean"].shape, int(buffers["1.num_batches_tracked"])
         (['1.bias', '1.weight', '2.bias', '2.weight'], torch.Size([4]), 1)
     """
-    name = "fr.data_parallel_grad"
-    check_op(name, op)
-    check_int(name, "replicated", replicated)
+    caller = "fr.data_parallel_grad"
+    check_op(caller, op)
+    check_int(caller, "replicated", replicated)
     if replicated < 0:
-        raise ValueError(f"{name}: replicated must be >= 0, got {replicated}")
-    check_choice(name, "aux", aux, ("gather", "first", "mean"))
+        raise ValueError(f"{caller}: replicated must be >= 0, got {replicated}")
+    check_choice(caller, "aux", aux, ("gather", "first", "mean"))
     if aux != "gather" and not has_aux:
         raise ValueError(
-            f"{name}: aux={aux!r} says how the replicas' aux combine, but loss_fn returns "
+            f"{caller}: aux={aux!r} says how the replicas' aux combine, but loss_fn returns "
             "no aux; pass has_aux=True (and return (loss, aux) from loss_fn)"
         )
-    devs = as_devices(devices, caller=name)
+    devs = as_devices(devices, caller=caller)
     per_device = grad_and_value(loss_fn, has_aux=has_aux)
     draws = Draws()
 
     def step(params: TensorTree, *args: Any) -> tuple[TensorTree, Any]:
         if len(args) < replicated:
             raise TypeError(
-                f"{name}: step takes params, then replicated={replicated} argument(s), then the "
+                f"{caller}: step takes params, then replicated={replicated} argument(s), then the "
                 f"batch; got {len(args)} argument(s) after params"
             )
-        shards = shard(args[replicated:], devs, 0, caller=name, rename=lambda p: f"batch{p}")
+        shards = shard(args[replicated:], devs, 0, caller=caller, rename=lambda p: f"batch{p}")
         used = devs[: len(shards)]
         # grad_and_value binds fresh leaves of its own to every replica of params: no
         # replica sees the shared objects; the rest reaches loss_fn as it is, own objects
@@ -308,7 +308,7 @@ def data_parallel_grad(
             results = [per_device(p, *b) for p, b in zip(replicas, shards)]
         else:
             results = apply_each(
-                per_device, replicas, shards, [{}] * len(shards), used, caller=name, draws=draws
+                per_device, replicas, shards, [{}] * len(shards), used, caller=caller, draws=draws
             )
         leaves, spec = _tree.flatten(params)
         targets = [p.device for p in leaves]
@@ -317,12 +317,12 @@ def data_parallel_grad(
             grads = results[0][0]
             if any(g.device != d for g, d in zip(grads_leaves[0], targets)):
                 moved = _pack.move_each(
-                    grads_leaves[0], targets, paths=_tree.LazyPaths(spec), caller=name
+                    grads_leaves[0], targets, paths=_tree.LazyPaths(spec), caller=caller
                 )
                 grads = _tree.unflatten(spec, moved)
         else:
             reduced = reduce_lists(
-                grads_leaves, targets, op, paths=_tree.LazyPaths(spec), caller=name
+                grads_leaves, targets, op, paths=_tree.LazyPaths(spec), caller=caller
             )
             grads = _tree.unflatten(spec, reduced)
         values = [v for _, v in results]
@@ -334,13 +334,13 @@ def data_parallel_grad(
             auxes = [v[1] for v in values]
             if aux == "gather":
                 return grads, (loss, gather(auxes, devs[0]))
-            return grads, (loss, _combine_aux(auxes, aux, devs[0], name))
+            return grads, (loss, _combine_aux(auxes, aux, devs[0], caller))
         return grads, loss
 
     return step
 
 
-def _combine_aux(auxes: list[Any], how: str, device: torch.device, name: str) -> Any:
+def _combine_aux(auxes: list[Any], how: str, device: torch.device, caller: str) -> Any:
     """Replica 0's aux (``"first"``), or the mean of its floating-point leaves (``"mean"``), on ``device``."""
     flats = [_tree.flatten(a) for a in auxes]
     leaves, spec = flats[0]
@@ -348,13 +348,13 @@ def _combine_aux(auxes: list[Any], how: str, device: torch.device, name: str) ->
         if how == "mean" and other != spec:
             at, mine, theirs = _tree.structure_difference(auxes[0], auxes[j])
             raise ValueError(
-                f"{name}: aux='mean' needs the replicas' aux of one structure; they differ "
+                f"{caller}: aux='mean' needs the replicas' aux of one structure; they differ "
                 f"at {at}: {mine} in replica 0, {theirs} in replica {j}"
             )
     pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     paths = _tree.LazyPaths(spec, pos)
     combined = _first_or_mean(
-        [[lst[i] for i in pos] for lst, _ in flats], how, [device] * len(pos), paths, name
+        [[lst[i] for i in pos] for lst, _ in flats], how, [device] * len(pos), paths, caller
     )
     new = list(leaves)
     for i, v in zip(pos, combined):
@@ -367,7 +367,7 @@ def _first_or_mean(
     how: str,
     targets: Sequence[torch.device],
     paths: Sequence[str],
-    name: str,
+    caller: str,
 ) -> list[torch.Tensor]:
     """Replica 0's tensors, or (``how="mean"``) the mean over replicas where floating-point.
 
@@ -383,8 +383,8 @@ def _first_or_mean(
                 [targets[i] for i in mean_pos],
                 "mean",
                 paths=[paths[i] for i in mean_pos],
-                caller=name,
+                caller=caller,
             )
             for i, m in zip(mean_pos, means):
                 values[i] = m
-    return _pack.move_each(values, targets, paths=paths, caller=name)
+    return _pack.move_each(values, targets, paths=paths, caller=caller)
