@@ -155,9 +155,9 @@ def _aliaser(tensors: Sequence[torch.Tensor], detach: bool) -> Callable[[torch.T
     """
     if detach:
         return _DETACH
-    if is_compiling():
-        return _alias_in_graph  # traced as plain ops; the C-speed test below breaks the graph
-    if transform_level() is not None:
+    if is_compiling() or transform_level() is not None:
+        # a view is free in a compiled graph, and a transform's wrappers may not report
+        # requires_grad while they carry its graph
         return _view
     if any(map(_REQUIRES_GRAD, tensors)):
         return _alias_in_graph

@@ -1227,13 +1227,18 @@ def test_data_parallel_grad_compiles_to_one_graph_equal_to_eager() -> None:
 
 
 def test_data_parallel_compiles_to_one_graph_equal_to_eager() -> None:
-    model, params, x, _ = _tiny()
+    # differentiated through: the replicas' aliases must stay in the transform's graph
+    model, params, x, y = _tiny()
 
-    def forward(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        return fr.data_parallel(model, fr.State(p, {}), x, devices=["cpu", "cpu"])[0]
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.data_parallel(model, fr.State(p, {}), x, devices=["cpu", "cpu"])
+        return F.cross_entropy(out, y)
 
+    step = fr.grad_and_value(loss_fn)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(forward)(params, x)
+    explained = torch._dynamo.explain(step)(params, x, y)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    out = torch.compile(forward, backend="aot_eager", fullgraph=True)(params, x)
-    torch.testing.assert_close(out, forward(params, x))
+    grads, loss = torch.compile(step, backend="aot_eager", fullgraph=True)(params, x, y)
+    eager_grads, eager_loss = step(params, x, y)
+    assert_trees_close(grads, eager_grads, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(loss, eager_loss)
