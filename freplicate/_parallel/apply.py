@@ -41,6 +41,12 @@ def parallel_apply(
     state is thread-local, and another thread would silently compute
     without it.
 
+    Calls that share a generator (the CPU's, or one CUDA device's) draw
+    random numbers from it in whatever order their threads reach it, as in
+    ``nn.parallel.parallel_apply``: a seed does not fix them. ``fr.data_parallel``
+    and ``fr.data_parallel_grad``, whose calls are pure, run such replicas in
+    order instead, so that it does.
+
     Args:
         fn: the function every replica runs.
         replicas: one first argument per call (any iterable: a list, a generator).
