@@ -43,7 +43,8 @@ import torch
 from torch import nn
 
 from . import _caches
-from ._state import State, check_entries, check_state
+from ._checks import check_state
+from ._state import State
 from ._torch import is_compiling
 
 __all__ = ["apply"]
@@ -315,7 +316,7 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"fr.apply: module must be an nn.Module, got {type(module).__name__}")
-    check_state(state, "fr.apply")
+    check_state("fr.apply", state, entries=False)
     if is_compiling():
         return _traced(module, state, args, kwargs)
     b, dicts = _binder(module)
@@ -372,13 +373,13 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
                         if v is _MISSING:
                             v = dicts[at]["_buffers"][key]
                     if not isinstance(v, torch.Tensor):
-                        check_entries(state, "fr.apply")
+                        check_state("fr.apply", state)
                     v = new_buffers[canon] = v.clone()
                 skel.buffer_dicts[at][key] = v
         try:
             out = skel.call(*args, **kwargs)
         except Exception:
-            check_entries(state, "fr.apply")  # a non-tensor in the state: say so, not torch
+            check_state("fr.apply", state)  # a non-tensor in the state: say so, not torch
             raise
         if b.buffer_slots:  # a forward may rebind a buffer (``self.buf = new``)
             new_buffers = {

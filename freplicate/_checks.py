@@ -103,8 +103,12 @@ def check_positive(caller: str, arg: str, value: Any) -> float:
     return float(value)
 
 
-def check_state(caller: str, state: Any) -> None:
+def check_state(caller: str, state: Any, *, entries: bool = True) -> None:
     """``TypeError`` unless ``state`` is an ``fr.State`` of two dicts of tensors.
+
+    With ``entries=False`` only the containers are checked (``fr.apply``'s
+    every call, where a look at hundreds of values would cost more than the
+    binding): the caller then checks the entries where they fail.
 
     >>> check_state("fr.data_parallel", {"w": torch.ones(1)})
     Traceback (most recent call last):
@@ -122,6 +126,8 @@ def check_state(caller: str, state: Any) -> None:
                 f"{caller}: state.{field} must be a dict of name -> tensor, got "
                 f"{type(part).__name__}; make the state with fr.state(module)"
             )
+        if not entries:
+            continue
         values = list(part.values())
         if all(map(isinstance, values, repeat(torch.Tensor, len(values)))):
             continue

@@ -9,12 +9,12 @@ makes outside itself, confined to its own type.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-__all__ = ["State", "check_state", "combine", "partition", "state"]
+__all__ = ["State", "combine", "partition", "state"]
 
 
 class State(NamedTuple):
@@ -142,33 +142,3 @@ def combine(*parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 raise ValueError(f"fr.combine: {name!r} is in two parts (the last is parts[{i}])")
             out[name] = value
     return out
-
-
-def check_state(state: Any, fn: str) -> None:
-    """``TypeError`` naming ``fn`` unless ``state`` is a ``State`` of two dicts.
-
-    Only the containers are checked here (a few type checks, on every call);
-    their entries are checked where they are used.
-    """
-    if not (isinstance(state, tuple) and len(state) == 2):
-        raise TypeError(
-            f"{fn}: state must be an fr.State(params, buffers), got {type(state).__name__}"
-        )
-    for field, part in zip(("params", "buffers"), state):
-        if not isinstance(part, dict):
-            raise TypeError(
-                f"{fn}: state.{field} must be a dict of tensors keyed by name, "
-                f"got {type(part).__name__}"
-            )
-
-
-def check_entries(state: State, fn: str) -> None:
-    """``TypeError`` naming the first entry of ``state`` that is not a tensor."""
-    for field, part in zip(("params", "buffers"), state):
-        for name, value in part.items():
-            if not isinstance(name, str):
-                raise TypeError(f"{fn}: state.{field} has a key {name!r} that is not a str")
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"{fn}: state.{field}[{name!r}] must be a tensor, got {type(value).__name__}"
-                )

@@ -290,15 +290,18 @@ def test_clear_caches_drops_the_structure_cache() -> None:
     torch.testing.assert_close(out, model(torch.ones(1, 2)))
 
 
+MUST_BE_A_DICT = r"must be a dict of name -> tensor, got {}; make the state with fr\.state\(module\)$"
+
+
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
-        (fr.State(None, None), r"^fr\.apply: state\.params must be a dict of tensors keyed by name, got NoneType$"),  # type: ignore[arg-type]
-        (fr.State([torch.ones(1)], {}), r"^fr\.apply: state\.params must be a dict .* got list$"),  # type: ignore[arg-type]
-        (fr.State({}, None), r"^fr\.apply: state\.buffers must be a dict .* got NoneType$"),  # type: ignore[arg-type]
-        (fr.State({}, {"running_mean": 3}), r"^fr\.apply: state\.buffers\['running_mean'\] must be a tensor, got int$"),  # type: ignore[dict-item]
-        (fr.State({"weight": 2.0}, {}), r"^fr\.apply: state\.params\['weight'\] must be a tensor, got float$"),  # type: ignore[dict-item]
-        ((torch.ones(1),), r"^fr\.apply: state must be an fr\.State\(params, buffers\), got tuple$"),
+        (fr.State(None, None), r"^fr\.apply: state\.params " + MUST_BE_A_DICT.format("NoneType")),  # type: ignore[arg-type]
+        (fr.State([torch.ones(1)], {}), r"^fr\.apply: state\.params " + MUST_BE_A_DICT.format("list")),  # type: ignore[arg-type]
+        (fr.State({}, None), r"^fr\.apply: state\.buffers " + MUST_BE_A_DICT.format("NoneType")),  # type: ignore[arg-type]
+        (fr.State({}, {"running_mean": 3}), r"^fr\.apply: state\.buffers\['running_mean'\] must be a tensor, got an int \(3\)$"),  # type: ignore[dict-item]
+        (fr.State({"weight": 2.0}, {}), r"^fr\.apply: state\.params\['weight'\] must be a tensor, got a float \(2\.0\)$"),  # type: ignore[dict-item]
+        ((torch.ones(1),), r"^fr\.apply: state must be an fr\.State\(params, buffers\), got tuple; make one with fr\.state\(module\)$"),
     ],
 )
 def test_malformed_states_are_named(bad: Any, message: str) -> None:

@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._C._functorch import maybe_current_level
 
 import freplicate as fr
-from freplicate import _leaves
+from freplicate import _leaves, _torch
 
 
 class Model(nn.Module):
@@ -113,7 +112,7 @@ def test_the_fast_path_runs_outside_transforms() -> None:
     levels: list[Any] = []
 
     def f(w: torch.Tensor) -> torch.Tensor:
-        levels.append((maybe_current_level(), w.requires_grad))
+        levels.append((_torch.transform_level(), w.requires_grad))
         return (w**2).sum()
 
     fr.grad_and_value(f)(torch.ones(2))
