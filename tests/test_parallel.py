@@ -1210,20 +1210,27 @@ def _tiny() -> tuple[nn.Module, dict[str, torch.Tensor], torch.Tensor, torch.Ten
 
 
 def test_data_parallel_grad_compiles_to_one_graph_equal_to_eager() -> None:
-    # issue 12, item 3: the replica threads broke the graph (7 graphs, 6 breaks)
-    model, params, x, y = _tiny()
-
-    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(fr.apply(model, fr.State(p, {}), x)[0], y)
-
-    step = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"])
+    # issue 12, item 3: the replica threads broke the graph (7 graphs, 6 breaks); here with
+    # frozen parameters and buffers replicated, and the buffers' mean as aux
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    model[0].requires_grad_(False)
+    params, buffers = fr.state(model)
+    trainable, frozen = fr.partition(params, model)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    step = fr.data_parallel_grad(
+        _bn_loss(model), ["cpu", "cpu"], replicated=2, has_aux=True, aux="mean"
+    )
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(step)(params, x, y)
+    explained = torch._dynamo.explain(step)(trainable, frozen, buffers, x, y)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
-    grads, loss = torch.compile(step, backend="aot_eager", fullgraph=True)(params, x, y)
-    eager_grads, eager_loss = step(params, x, y)
-    assert_trees_close(grads, eager_grads, rtol=1e-6, atol=1e-7)
-    torch.testing.assert_close(loss, eager_loss)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    assert_trees_close(
+        compiled(trainable, frozen, buffers, x, y),
+        step(trainable, frozen, buffers, x, y),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 def test_data_parallel_compiles_to_one_graph_equal_to_eager() -> None:
