@@ -31,7 +31,7 @@ from ._leaves import UNSTACKED, Leaves, leaves_for
 from ._torch import engine_grad, is_compiling, transform_level
 from ._tree import tensor_values
 
-__all__ = ["grad_and_value"]
+__all__ = ["differentiate", "grad_and_value"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -78,8 +78,19 @@ def grad_and_value(
     >>> fr.grad_and_value(lambda w, x: w["a"] * x)(w, torch.tensor(3.0))
     ({'a': tensor(3.), 'b': tensor(0.)}, tensor(6.))
     """
+    return differentiate(fn, argnums=argnums, has_aux=has_aux, caller="fr.grad_and_value")
+
+
+def differentiate(
+    fn: Callable[..., Any],
+    *,
+    argnums: int | tuple[int, ...],
+    has_aux: bool,
+    caller: str,
+) -> Callable[..., tuple[Any, Any]]:
+    """``grad_and_value``, its errors naming ``caller`` (``fr.distributed.grad_and_value`` too)."""
     if not callable(fn):
-        raise TypeError(f"fr.grad_and_value: fn must be callable, got {type(fn).__name__}")
+        raise TypeError(f"{caller}: fn must be callable, got {type(fn).__name__}")
     if not (
         (isinstance(argnums, int) and not isinstance(argnums, bool))
         or (
@@ -89,10 +100,10 @@ def grad_and_value(
         )
     ):
         raise TypeError(
-            f"fr.grad_and_value: argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
+            f"{caller}: argnums must be an int or a non-empty tuple of ints, got {argnums!r}"
         )
     if isinstance(argnums, tuple) and len(set(argnums)) != len(argnums):
-        raise RuntimeError(f"fr.grad_and_value: argnums elements must be unique, got {argnums!r}")
+        raise RuntimeError(f"{caller}: argnums elements must be unique, got {argnums!r}")
     reference = torch.func.grad_and_value(fn, argnums=argnums, has_aux=has_aux)
     nums = (argnums,) if isinstance(argnums, int) else argnums
     first_call = [True]
@@ -105,13 +116,13 @@ def grad_and_value(
         for n in nums:
             if not -len(args) <= n < len(args):
                 raise RuntimeError(
-                    f"fr.grad_and_value: argnums={argnums!r} is out of range for "
+                    f"{caller}: argnums={argnums!r} is out of range for "
                     f"{len(args)} positional argument(s)"
                 )
         chosen = [n % len(args) for n in nums]
         if len(set(chosen)) != len(chosen):
             raise RuntimeError(
-                f"fr.grad_and_value: argnums={argnums!r} names one argument twice "
+                f"{caller}: argnums={argnums!r} names one argument twice "
                 f"for {len(args)} positional argument(s)"
             )
         flat = [_flatten(args[n]) for n in nums]  # each differentiated tree once
@@ -120,23 +131,23 @@ def grad_and_value(
         tensors = list(itertools.chain.from_iterable(leaves for leaves, _ in flat))
         only_tensors = all(issubclass(k, torch.Tensor) for k in set(map(type, tensors)))
         if not only_tensors:
-            _check_leaves(flat, nums)
+            _check_leaves(flat, nums, caller)
         if any(map(_REQUIRES_GRAD, tensors)) or any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in rest
         ):
             if any(t.is_inference() for t in tensors):
                 return reference(*args, **kwargs)
-            return _through_graph(fn, args, kwargs, nums, flat, tensors, argnums, has_aux)
+            return _through_graph(fn, args, kwargs, nums, flat, tensors, argnums, has_aux, caller)
         rng = torch.get_rng_state() if first_call[0] else None
         first_call[0] = False
         layout = leaves_for(tensors)
-        made = _fresh(layout, tensors, flat, nums)
+        made = _fresh(layout, tensors, flat, nums, caller)
         if made is None:  # made under inference_mode: torch.func copes
             return reference(*args, **kwargs)
         layout, diff, fresh = made
         new_args = _with(args, nums, flat, fresh)
         with torch.enable_grad():
-            value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+            value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
             try:
                 grads = layout.split(gradients(value, diff))
             except RuntimeError as err:
@@ -149,7 +160,7 @@ def grad_and_value(
                     torch.set_rng_state(rng)
                 diff, fresh = layout.make(tensors)  # type: ignore[misc]
                 new_args = _with(args, nums, flat, fresh)
-                value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+                value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
                 if value.requires_grad:
                     torch.autograd.backward(value)
                 grads = layout.split(
@@ -167,12 +178,12 @@ def grad_and_value(
 _Flat = list[tuple[list[Any], Callable[[Sequence[Any]], Any]]]
 
 
-def _check_leaves(flat: _Flat, nums: Sequence[int]) -> None:
+def _check_leaves(flat: _Flat, nums: Sequence[int], caller: str) -> None:
     for n, (leaves, rebuild) in zip(nums, flat):
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
                 raise RuntimeError(
-                    f"fr.grad_and_value: expected only tensors in args[{n}], "
+                    f"{caller}: expected only tensors in args[{n}], "
                     f"got a leaf of type {type(leaf).__name__} at {_path(rebuild, leaves, i)}"
                 )
 
@@ -189,7 +200,7 @@ def _path(rebuild: Callable[[Sequence[Any]], Any], leaves: list[Any], i: int) ->
 
 
 def _fresh(
-    layout: Leaves, tensors: list[torch.Tensor], flat: _Flat, nums: Sequence[int]
+    layout: Leaves, tensors: list[torch.Tensor], flat: _Flat, nums: Sequence[int], caller: str
 ) -> tuple[Leaves, list[torch.Tensor], list[torch.Tensor]] | None:
     """``(layout, diff, fresh)``; ``None`` for inference tensors; names a non-float leaf."""
     try:
@@ -207,7 +218,7 @@ def _fresh(
             for i, t in enumerate(leaves):
                 if not (t.is_floating_point() or t.is_complex()):
                     raise RuntimeError(
-                        f"fr.grad_and_value: args[{n}]{_path(rebuild, leaves, i)} has dtype "
+                        f"{caller}: args[{n}]{_path(rebuild, leaves, i)} has dtype "
                         f"{t.dtype}; only floating-point and complex tensors can be differentiated"
                         " (pass integer tensors in another argument)"
                     ) from None
@@ -243,6 +254,7 @@ def _through_graph(
     tensors: list[torch.Tensor],
     argnums: int | tuple[int, ...],
     has_aux: bool,
+    caller: str,
 ) -> tuple[Any, Any]:
     """Gradients that stay differentiable through the graph some input already carries.
 
@@ -255,7 +267,7 @@ def _through_graph(
     carried = [t for t in tensors if t.grad_fn is not None]
     if carried:
         warnings.warn(
-            "fr.grad_and_value: a differentiated tensor carries an autograd graph "
+            f"{caller}: a differentiated tensor carries an autograd graph "
             f"(grad_fn={type(carried[0].grad_fn).__name__}); gradients are taken through it, "
             "and if parameters are updated with autograd on, that graph grows with every "
             "step. Update them under torch.no_grad() (or detach them) unless you mean to "
@@ -265,7 +277,7 @@ def _through_graph(
     with torch.enable_grad():
         fresh = [t.view_as(t) if t.requires_grad else t.detach().requires_grad_() for t in tensors]
         new_args = _with(args, nums, flat, fresh)
-        value, aux = split_output(fn(*new_args, **kwargs), has_aux, "fr.grad_and_value")
+        value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
         if value.requires_grad and fresh:
             grads = torch.autograd.grad(
                 value, fresh, create_graph=True, allow_unused=True, materialize_grads=True

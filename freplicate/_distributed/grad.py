@@ -9,8 +9,7 @@ from typing import Any
 import optree
 import torch
 
-from .._grad import detached, gradients, split_output
-from .._grad import grad_and_value as _local_grad_and_value
+from .._grad import detached, differentiate, gradients, split_output
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
 from .._typing import Compress, Op, TensorTree
 from .agree import OwnFailure, agree, announce_failure, mismatch, sparse_gradients
@@ -138,7 +137,7 @@ def grad_and_value(
     check_reduce_args(caller, op, bucket_cap_mb, compress)
     if isinstance(argnums, bool) or not isinstance(argnums, int):
         raise TypeError(f"{caller}: argnums must be an int, got {argnums!r}")
-    local = _local_grad_and_value(fn, argnums=argnums, has_aux=has_aux)
+    local = differentiate(fn, argnums=argnums, has_aux=has_aux, caller=caller)
 
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
         world = world_size(group, caller)
