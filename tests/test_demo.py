@@ -28,12 +28,14 @@ def _demo(tmp_path: Path, *args: str) -> int:
 def test_every_path_agrees_and_the_plot_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert _demo(tmp_path, *QUICK, "--no-compile") == 0
+    assert _demo(tmp_path, *QUICK, "--compile") == 0
     out = capsys.readouterr().out
     assert "OK: every path agrees with its stateful twin at every step." in out
-    rows = [line for line in out.splitlines() if line.startswith("(a) ") or line.startswith("(b) ")]
+    rows = [line for line in out.splitlines() if line[:4] in ("(a) ", "(b) ", "(c) ")]
     assert any("fr.data_parallel_grad" in r and r.endswith("yes") for r in rows), out
     assert any("fr.distributed, 2 gloo ranks" in r and r.endswith("yes") for r in rows), out
+    # compiling may fail while compile support is being built: then the row says skipped
+    assert any("torch.compile" in r and r.endswith(("yes", "skipped")) for r in rows), out
     png = tmp_path / "curves.png"
     assert f"plot: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -49,8 +51,11 @@ def test_uneven_shards_agree_on_any_number_of_cpus(
     assert "OK: every path agrees" in capsys.readouterr().out
 
 
-def test_float32_and_the_cnn_agree(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    args = [*LOCAL, "--devices", "cpu", "cpu", "cpu", "--model", "cnn", "--dtype", "float32"]
+@pytest.mark.parametrize("variant", [["--model", "cnn"], ["--dtype", "float32"]])
+def test_the_cnn_and_float32_agree(
+    variant: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [*LOCAL, "--devices", "cpu", "cpu", "cpu", *variant]
     assert _demo(tmp_path, *args) == 0, capsys.readouterr().out
 
 

@@ -14,8 +14,11 @@ the replicas' gradients summed into the module. With uneven shards (64
 examples on 3 or 5 devices) that mean of shard means is not the full-batch
 gradient, and both sides compute it.
 
-(c) ``torch.compile`` of the whole functional step (gradient and AdamW
-update), beside the same step run eagerly in (a).
+(c) ``torch.compile`` of the whole functional step on one device
+(``fr.grad_and_value`` and the AdamW update), beside the same step run
+eagerly, both from one init on the same batches. (One device: that is the
+step the library compiles into a single graph; compiling a
+``data_parallel_grad`` step recompiles at every step for now.)
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import copy
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,22 +45,21 @@ COMPILE_LIMIT_S = 60.0
 Step = Callable[..., tuple[Tree, _adamw.AdamWState, Tree, torch.Tensor]]
 
 
-class Point(NamedTuple):
-    """The functional side after one step, kept for the compiled path to compare with."""
+def fr_step(module: nn.Module, devices: Sequence[str] | None, lr: float) -> Step:
+    """``step(params, opt_state, x, y) -> (params, opt_state, grads, loss)``, all functional.
 
-    params: Tree
-    grads: Tree
-    loss: float
-
-
-def fr_step(module: nn.Module, devices: Sequence[str], lr: float) -> Step:
-    """``step(params, opt_state, x, y) -> (params, opt_state, grads, loss)``, all functional."""
+    Its gradient is ``fr.data_parallel_grad``'s over ``devices``, or with
+    ``None``, ``fr.grad_and_value``'s where the parameters are.
+    """
 
     def loss_fn(params: Tree, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out, _ = fr.apply(module, fr.State(params, {}), x)
         return F.cross_entropy(out, y)
 
-    grad_fn = fr.data_parallel_grad(loss_fn, list(devices))
+    if devices is None:
+        grad_fn = fr.grad_and_value(loss_fn)
+    else:
+        grad_fn = fr.data_parallel_grad(loss_fn, list(devices))
 
     def step(
         params: Tree, opt_state: _adamw.AdamWState, x: torch.Tensor, y: torch.Tensor
@@ -146,9 +147,8 @@ def data_parallel(
     data: _data.Digits,
     order: list[list[torch.Tensor]],
     tol: Tolerance,
-    keep: bool,
-) -> tuple[PathResult, list[Point]]:
-    """Path (a); with ``keep``, also the functional side's every step for path (c)."""
+) -> PathResult:
+    """Path (a)."""
     devices = list(options.devices)
     module = _data.model(options.model, dtype=options.torch_dtype).to(devices[0])
     twin = copy.deepcopy(module)
@@ -172,7 +172,6 @@ def data_parallel(
         + " + torch.optim.AdamW"
     )
     x_test, y_test = data.x_test.to(devices[0]), data.y_test
-    points: list[Point] = []
     progress = bar("(a) one process", sum(map(len, order)))
     n = 0
     try:
@@ -194,8 +193,6 @@ def data_parallel(
                 )
                 if miss:
                     say(f"MISMATCH in (a) at {miss}")
-                if keep:
-                    points.append(Point(params, grads, value))
                 n += 1
                 progress.update()
             result.fr.accuracy.append(accuracy(module, params, x_test, y_test))
@@ -203,65 +200,73 @@ def data_parallel(
             progress.set_postfix(acc=f"{result.fr.accuracy[-1]:.3f}")
     finally:
         progress.close()
-    return result, points
+    return result
 
 
 class _OutOfTime(Exception):
     """The compiled path ran past its time: it is reported as skipped."""
 
 
-def _graph_breaks() -> int:
+def _dynamo_counts() -> tuple[int, int]:
+    """(graph breaks, graphs compiled) so far in this process, where torch counts them."""
     try:
         from torch._dynamo.utils import counters
     except ImportError:
-        return 0
-    return sum(counters["graph_break"].values())
+        return 0, 0
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
 def compiled(
-    options: Options,
-    data: _data.Digits,
-    order: list[list[torch.Tensor]],
-    tol: Tolerance,
-    eager: PathResult,
-    points: list[Point],
+    options: Options, data: _data.Digits, order: list[list[torch.Tensor]], tol: Tolerance
 ) -> PathResult:
-    """Path (c): the whole functional step under ``torch.compile``, beside the eager run of (a)."""
-    devices = list(options.devices)
+    """Path (c): the whole functional step under ``torch.compile``, beside it run eagerly."""
+    device = options.devices[0]
     result = PathResult(
-        title=f"(c) torch.compile(fr step), {options.describe_devices()}",
-        twin_title="the eager fr step (a)",
+        title=f"(c) torch.compile(fr step), {device}",
+        twin_title="the same step, eager",
         fr=Side("fr compiled"),
-        twin=Side("fr eager", eager.fr.losses, eager.fr.accuracy, eager.fr.step_s),
+        twin=Side("fr eager"),
         agreement=Agreement(tol),
     )
-    say("(c) torch.compile of the whole fr step (gradient and AdamW), beside the same step eager")
-    module = _data.model(options.model, dtype=options.torch_dtype).to(devices[0])
-    params = fr.state(module).params
-    opt_state = _adamw.init(params)
-    x_test, y_test = data.x_test.to(devices[0]), data.y_test
+    say(
+        f"(c) torch.compile of the whole fr step on {device} (fr.grad_and_value and AdamW), "
+        "beside the same step eager"
+    )
+    module = _data.model(options.model, dtype=options.torch_dtype).to(device)
+    eager = fr_step(module, None, options.lr)
+    params = eager_params = fr.state(module).params
+    opt_state = eager_state = _adamw.init(params)
+    x_test, y_test = data.x_test.to(device), data.y_test
     torch._dynamo.reset()
-    breaks = _graph_breaks()
-    step = torch.compile(fr_step(module, devices, options.lr))
-    progress = bar("(c) compiled", sum(map(len, order)))
+    breaks0, graphs0 = graphs = _dynamo_counts()
+    compiling_s = 0.0
+    step = torch.compile(fr_step(module, None, options.lr))
+    total = sum(map(len, order))
+    progress = bar("(c) compiled", total)
     started = time.perf_counter()
     n = 0
     try:
         for epoch in order:
             for idx in epoch:
-                x, y = data.x_train[idx].to(devices[0]), data.y_train[idx].to(devices[0])
+                x, y = data.x_train[idx].to(device), data.y_train[idx].to(device)
                 start = time.perf_counter()
                 params, opt_state, grads, loss = step(params, opt_state, x, y)
-                took = _since(start, devices)
-                if n:  # the first call compiles: not a step's time
+                took = _since(start, [device])
+                if _dynamo_counts() == graphs:
                     result.fr.step_s.append(took)
-                else:
-                    result.note = f"first call (compiling) {took:.1f} s"
-                value = float(loss)
+                else:  # a call that compiled a graph is not a step's time
+                    graphs = _dynamo_counts()
+                    compiling_s += took
+                start = time.perf_counter()
+                eager_params, eager_state, eager_grads, eager_loss = eager(
+                    eager_params, eager_state, x, y
+                )
+                result.twin.step_s.append(_since(start, [device]))
+                value, twin_value = float(loss), float(eager_loss)
                 result.fr.losses.append(value)
-                same = points[n]
+                result.twin.losses.append(twin_value)
                 miss = result.agreement.check(
-                    n, value, same.loss, grads, same.grads, params, same.params
+                    n, value, twin_value, grads, eager_grads, params, eager_params
                 )
                 if miss:
                     say(f"MISMATCH in (c) at {miss}")
@@ -270,8 +275,9 @@ def compiled(
                 # checked between steps, never by interrupting one: a compile stopped midway
                 # by a signal can leave torch's compiler state half-built
                 if time.perf_counter() - started > COMPILE_LIMIT_S:
-                    raise _OutOfTime(f"{n} of {len(points)} steps done")
+                    raise _OutOfTime(f"{n} of {total} steps done")
             result.fr.accuracy.append(accuracy(module, params, x_test, y_test))
+            result.twin.accuracy.append(accuracy(module, eager_params, x_test, y_test))
     except _OutOfTime as exc:
         result.skipped = (
             f"skipped: compiling and training took over {COMPILE_LIMIT_S:.0f} s ({exc})"
@@ -281,11 +287,12 @@ def compiled(
         result.skipped = f"skipped: {type(exc).__name__}: {first}"
     finally:
         progress.close()
-        breaks = _graph_breaks() - breaks
+        breaks, compiles = _dynamo_counts()
         torch._dynamo.reset()
     if result.skipped is None:
-        plural = "s" * (breaks != 1)
-        result.note += (
-            f", {breaks} graph break{plural}, {time.perf_counter() - started:.0f} s in all"
+        result.note = (
+            f"{compiles - graphs0} graph(s) compiled in {compiling_s:.1f} s, "
+            f"{breaks - breaks0} graph break(s); "
+            f"{time.perf_counter() - started:.0f} s in all"
         )
     return result
