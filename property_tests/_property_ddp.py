@@ -28,7 +28,7 @@ import optree
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _property_support import Unchanged, dense, refill
+from _property_support import Unchanged, dense, refill, trainable
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -220,11 +220,11 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
 def check_training_module(rank: int, p: dict[str, Any]) -> None:
     """On modules real training brings, fr.distributed.grad_and_value equals DDP's gradients.
 
-    Only the trainable parameters are differentiated (split off with
-    ``fr.partition``, the frozen ones closed over), as DDP reduces only those; sparse gradients (``sparse=True``
-    embeddings) are compared by value. DDP needs ``static_graph`` for a
-    reentrant checkpoint (its reducer would see the block's parameters ready
-    twice otherwise).
+    Only the trainable parameters are differentiated (split by the module's
+    own flags, the frozen ones closed over), as DDP reduces only those;
+    sparse gradients (``sparse=True`` embeddings) are compared by value. DDP
+    needs ``static_graph`` for a reentrant checkpoint (its reducer would see
+    the block's parameters ready twice otherwise).
     """
     module, inputs = p["module"], p["inputs"][rank]
     reentrant = getattr(module, "how", "") in ("reentrant", "wrapper_reentrant")
@@ -233,11 +233,12 @@ def check_training_module(rank: int, p: dict[str, Any]) -> None:
     )
 
     s = fr.state(module)
-    train, frozen = fr.partition(s.params, module)
+    train = trainable(module, s.params)
+    frozen = {k: v for k, v in s.params.items() if k not in train}
     args, kwargs = ((), inputs) if isinstance(inputs, dict) else (_tuple(inputs), {})
 
     def loss_fn(train: dict[str, torch.Tensor]) -> torch.Tensor:
-        out, _ = fr.apply(module, fr.State(fr.combine(train, frozen), s.buffers), *args, **kwargs)
+        out, _ = fr.apply(module, fr.State({**frozen, **train}, s.buffers), *args, **kwargs)
         return _loss(out)
 
     unchanged = Unchanged(s, inputs)
