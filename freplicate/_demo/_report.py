@@ -37,7 +37,7 @@ def summary(results: Sequence[PathResult], steps_per_epoch: int) -> list[str]:
             notes.append(f"{r.title[:3]} first miss: {a.first_miss}")
     header = [
         "path",
-        "stateful twin",
+        "twin",
         "test acc (fr / twin)",
         "ms/epoch (fr / twin)",
         "max |Δ param|",
