@@ -67,82 +67,63 @@ _POOL_SIZE = 8
 _Slot = tuple[int, str, str]
 
 
-def _signature(dicts: list[dict[str, Any]]) -> list[int]:
-    """The identity of every value in the given modules' tensor and child dicts, in order."""
-    return list(
-        map(
-            id,
-            itertools.chain(
-                _CHAIN(map(_VALUES, map(_PARAMS, dicts))),
-                _CHAIN(map(_VALUES, map(_BUFFERS, dicts))),
-                _CHAIN(map(_VALUES, map(_MODULES, dicts))),
-            ),
-        )
-    )
-
-
 class _Skeleton:
     """One shallow copy of a module tree, with its own tensor and child dicts.
 
-    At rest, a copy's attribute dict holds only those three dicts, and every
-    tensor slot holds ``None``: no caller tensor and no attribute of the
-    originals (hooks that may refer to their module) is kept alive.
+    At rest, a copy's attribute dict holds only its own three dicts, whose
+    tensor slots hold ``None``: no caller tensor and no attribute of the
+    originals (hooks that may refer to their module) is kept alive. Its
+    ``_modules`` holds only the copies of its copied children; the other
+    children (tensorless modules) are taken from the original on each call.
     """
 
-    __slots__ = ("at_rest", "blank", "buffer_dicts", "call", "copies", "own", "param_dicts")
+    __slots__ = ("at_bound", "at_rest", "bdicts", "blank", "call", "copies", "kids", "own", "pdicts")
 
     def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
         # ``mods``: the copied modules, checked against ``binder``'s structure just now
-        copy_of = {}
-        own: list[dict[str, Any]] = []
-        for m in mods:
-            c = m.__new__(type(m))
-            parts = {
-                "_parameters": dict.fromkeys(m._parameters),
-                "_buffers": dict.fromkeys(m._buffers),
-                "_modules": dict(m._modules),  # children not copied: the originals (tensorless)
-            }
-            _SET_ATTR(c, "__dict__", parts)
-            copy_of[id(m)] = c
-            own.append(parts)
-        for parts in own:
-            children = parts["_modules"]
-            for key, child in children.items():
-                if child is not None and id(child) in copy_of:
-                    children[key] = copy_of[id(child)]
-        self.copies = [copy_of[id(m)] for m in mods]
-        self.own = own
-        self.param_dicts = [d["_parameters"] for d in own]
-        self.buffer_dicts = [d["_buffers"] for d in own]
-        self.blank = [(dict(d["_parameters"]), dict(d["_buffers"])) for d in own]
-        root = self.copies[0]
-        self.call: Callable[..., Any] = root
+        copies = [m.__new__(type(m)) for m in mods]
+        self.pdicts: list[dict[str, Any]] = [dict.fromkeys(m._parameters) for m in mods]
+        self.bdicts: list[dict[str, Any]] = [dict.fromkeys(m._buffers) for m in mods]
+        self.kids: list[dict[str, nn.Module]] = [{} for _ in mods]
+        for parent, key, child in binder.links:
+            self.kids[parent][key] = copies[child]
+        self.own = [
+            {"_parameters": p, "_buffers": b, "_modules": k}
+            for p, b, k in zip(self.pdicts, self.bdicts, self.kids)
+        ]
+        self.blank = [(dict(p), dict(b)) for p, b in zip(self.pdicts, self.bdicts)]
+        deque(map(_SET_ATTR, copies, repeat("__dict__"), self.own), 0)
+        self.copies = copies
+        self.call: Callable[..., Any] = copies[0]
         if binder.compiled is not None:
             # torch.compile(m): a compiled wrapper of the copy of m, made as torch.compile makes
             # one (its compiled code would otherwise run on m itself and ignore the state);
             # the wrapper reads the copy's attributes once, so lend it the original's
-            j = self.copies.index(root._modules["_orig_mod"])  # type: ignore[arg-type]
-            _SET_ATTR(self.copies[j], "__dict__", mods[j].__dict__ | own[j])
-            self.call = binder.compiled(self.copies[j])
-            _SET_ATTR(self.copies[j], "__dict__", own[j])
+            j = self.copies.index(self.kids[0]["_orig_mod"])
+            _SET_ATTR(copies[j], "__dict__", mods[j].__dict__ | self.own[j])
+            self.call = binder.compiled(copies[j])
+            _SET_ATTR(copies[j], "__dict__", self.own[j])
         self.at_rest: list[int] = []
+        self.at_bound: list[int] = []
 
     def counts(self) -> list[int]:
-        """Reference counts of the copies: above ``at_rest``, something outside holds one."""
+        """Reference counts of the copies: above the expected, something outside holds one."""
         return list(map(_REFCOUNT, self.copies))
 
 
 class _Binder:
     """What ``apply`` knows of one module's structure, and a pool of its skeletons.
 
-    Holds every module weakly: a hook or attribute of a module that refers
-    to the module itself must not keep it alive through this cache.
+    Holds modules only weakly: a hook or attribute of a module that refers to
+    the module itself must not keep it alive through this cache. The
+    tensors of the copied modules are held (snapshots of their tensor
+    dicts, compared on every call by identity at C speed).
     """
 
     def __init__(self, module: nn.Module) -> None:
         mods = list(module.modules())
         index = {id(m): i for i, m in enumerate(mods)}
-        self.children = [
+        children = [
             [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
             for m in mods
         ]
@@ -165,12 +146,12 @@ class _Binder:
         grew = True
         while grew:  # up from every holder to the root (shared submodules: any order)
             grew = False
-            for i, kids in enumerate(self.children):
+            for i, kids in enumerate(children):
                 if not needs[i] and any(j >= 0 and needs[j] for _, j in kids):
                     needs[i] = grew = True
         needs[0] = True  # the root is always a copy: the call goes through it
-        self.copied = [i for i, n in enumerate(needs) if n]
-        position = {i: k for k, i in enumerate(self.copied)}
+        copied = [i for i, n in enumerate(needs) if n]
+        position = {i: k for k, i in enumerate(copied)}
         self.param_slots: list[_Slot] = [
             (position[i], key, canon[id(p)])
             for i, m in enumerate(mods)
@@ -188,8 +169,23 @@ class _Binder:
         self.param_canon = [c for _, _, c in self.param_slots]
         self.param_names = frozenset(self.param_canon)
         self.buffer_names = list(dict.fromkeys(slot[2] for slot in self.buffer_slots))
-        self.refs = [weakref.ref(mods[i]) for i in self.copied]
-        self.signature = _signature([mods[i].__dict__ for i in self.copied])
+        # the structure each call checks: copied modules, their tensor dicts, copied children
+        self.refs = [weakref.ref(mods[i]) for i in copied]
+        self.with_params = [k for k, i in enumerate(copied) if mods[i]._parameters]
+        self.snap_params = [dict(mods[copied[k]]._parameters) for k in self.with_params]
+        self.with_buffers = [k for k, i in enumerate(copied) if mods[i]._buffers]
+        self.snap_buffers = [dict(mods[copied[k]]._buffers) for k in self.with_buffers]
+        self.links = [
+            (position[i], key, position[j])
+            for i in copied
+            for key, j in children[i]
+            if j >= 0 and needs[j]
+        ]
+        self.link_parent = [p for p, _, _ in self.links]
+        self.link_key = [key for _, key, _ in self.links]
+        self.link_child = [c for _, _, c in self.links]
+        # copies whose _modules must be merged with the original's on each call
+        self.with_children = [k for k, i in enumerate(copied) if mods[i]._modules]
         self.compiled = _dynamo_context(module)
         self.pool: list[_Skeleton] = []
 
@@ -199,7 +195,17 @@ class _Binder:
         if None in mods:
             return None
         dicts = list(map(_DICT, mods))
-        return dicts if _signature(dicts) == self.signature else None
+        at = dicts.__getitem__
+        try:
+            same = (
+                list(map(_PARAMS, map(at, self.with_params))) == self.snap_params
+                and list(map(_BUFFERS, map(at, self.with_buffers))) == self.snap_buffers
+                and list(map(operator.getitem, map(_MODULES, map(at, self.link_parent)), self.link_key))
+                == list(map(mods.__getitem__, self.link_child))
+            )
+        except (KeyError, RuntimeError):  # a child gone; tensors compared by value: changed
+            same = False
+        return dicts if same else None
 
     def skeleton(self) -> _Skeleton:
         try:
@@ -210,6 +216,11 @@ class _Binder:
         skel = _Skeleton(self, mods)  # type: ignore[arg-type]
         del mods
         skel.at_rest = skel.counts()  # here, where no local refers to a copy
+        # while bound, each copied child is also held by its parent's merged child dict
+        bound = list(skel.at_rest)
+        for child in self.link_child:
+            bound[child] += 1
+        skel.at_bound = bound
         return skel
 
     def release(self, skel: _Skeleton) -> None:
@@ -342,52 +353,58 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     skel = b.skeleton()
     bound = False
     try:
-        # each copy gets a new attribute dict: its original's, with its own tensor and child
-        # dicts (``original | own``, a C-level clone): train()/eval() and any attribute
-        # change are seen, and an attribute a forward set on the copy is forgotten
-        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), map(operator.or_, dicts, skel.own)), 0)
+        # each copy gets a new attribute dict: its original's, with its own tensor dicts
+        # (``original | own``, a C-level clone): train()/eval() and any attribute change are
+        # seen, and an attribute a forward sets on the copy is forgotten. Children: the
+        # original's (tensorless ones as they are now), with the copies in place of the
+        # copied ones.
+        fresh = list(map(operator.or_, dicts, skel.own))
+        if b.with_children:
+            at = dicts.__getitem__
+            merged = map(operator.or_, map(_MODULES, map(at, b.with_children)), map(skel.kids.__getitem__, b.with_children))
+            deque(map(operator.setitem, map(fresh.__getitem__, b.with_children), repeat("_modules"), merged), 0)
+        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), fresh), 0)
+        del fresh
         bound = True
-        pdicts = skel.param_dicts
+        pdicts = skel.pdicts
         if complete:  # every parameter given: bind at C speed
             targets = map(pdicts.__getitem__, b.param_at)
             values = map(params.__getitem__, b.param_canon)
             deque(map(operator.setitem, targets, b.param_keys, values), 0)
         else:
             pget, bget = params.get, buffers.get
-            for at, key, canon in b.param_slots:
+            for at_, key, canon in b.param_slots:
                 v = pget(canon, _MISSING)
                 if v is _MISSING:
                     v = bget(canon, _MISSING)
                     if v is _MISSING:
-                        v = dicts[at]["_parameters"][key]
-                pdicts[at][key] = v
+                        v = dicts[at_]["_parameters"][key]
+                pdicts[at_][key] = v
         new_buffers: dict[str, torch.Tensor] = {}
         if b.buffer_slots:
             bget, pget = buffers.get, params.get
-            for at, key, canon in b.buffer_slots:
+            for at_, key, canon in b.buffer_slots:
                 v = new_buffers.get(canon)
                 if v is None:
                     v = bget(canon, _MISSING)
                     if v is _MISSING:
                         v = pget(canon, _MISSING)
                         if v is _MISSING:
-                            v = dicts[at]["_buffers"][key]
+                            v = dicts[at_]["_buffers"][key]
                     if not isinstance(v, torch.Tensor):
                         check_state("fr.apply", state)
                     v = new_buffers[canon] = v.clone()
-                skel.buffer_dicts[at][key] = v
+                skel.bdicts[at_][key] = v
         try:
             out = skel.call(*args, **kwargs)
         except Exception:
             check_state("fr.apply", state)  # a non-tensor in the state: say so, not torch
             raise
         if b.buffer_slots:  # a forward may rebind a buffer (``self.buf = new``)
-            new_buffers = {
-                canon: skel.buffer_dicts[at][key] for at, key, canon in b.buffer_slots
-            }
+            new_buffers = {canon: skel.bdicts[at_][key] for at_, key, canon in b.buffer_slots}
     finally:
         del dicts
-        if bound and skel.counts() == skel.at_rest:
+        if bound and skel.counts() == skel.at_bound:
             _unbind(b, skel)
             b.release(skel)
         # else: something outside (a checkpoint's recomputation, a forward that kept
@@ -402,9 +419,9 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
 def _unbind(b: _Binder, skel: _Skeleton) -> None:
     """Back to rest: no caller tensor, no attribute of the originals kept alive."""
     deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), skel.own), 0)
-    deque(map(dict.update, skel.param_dicts, map(_FIRST, skel.blank)), 0)
+    deque(map(dict.update, skel.pdicts, map(_FIRST, skel.blank)), 0)
     if b.buffer_slots:
-        deque(map(dict.update, skel.buffer_dicts, map(_SECOND, skel.blank)), 0)
+        deque(map(dict.update, skel.bdicts, map(_SECOND, skel.blank)), 0)
 
 
 def _traced(module: nn.Module, state: State, args: Any, kwargs: Any) -> tuple[Any, State]:
