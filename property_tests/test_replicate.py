@@ -1,4 +1,9 @@
-"""``fr.replicate``: values, structure, devices and ties kept; its gradient is the sum over replicas."""
+"""``fr.replicate``: values, structure, devices and ties kept; its gradient is the sum over replicas.
+
+A leaf already on a target device is not copied, yet every replica gets
+tensor objects of its own on that memory (issue 11, item 5): a forward that
+writes ``.grad`` on its replica must never reach the caller's tensors.
+"""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ def test_replicas_keep_values_structure_devices_and_ties(tree: Any, devs: list[s
     unchanged.check("fr.replicate")
     assert len(replicas) == len(devs)
     leaves = optree.tree_leaves(tree)
+    seen: set[int] = set()  # tensor objects handed out, to no two replicas the same
     for replica, dev in zip(replicas, devs):
         assert_trees_close(replica, to_device(tree, dev))
         got = optree.tree_leaves(replica)
@@ -32,10 +38,20 @@ def test_replicas_keep_values_structure_devices_and_ties(tree: Any, devs: list[s
                 assert x is a, "a non-tensor leaf must pass by reference"
                 continue
             if a.device == torch.device(dev):
-                assert x is a, "a leaf already on the target device is shared, not copied"
+                _shares_storage(x, a)
             for j in range(i):
                 # tied leaves stay one object within each replica, and only they do
                 assert (got[j] is x) == (leaves[j] is a)
+        objects = {id(x) for x in got if isinstance(x, torch.Tensor)}
+        assert not objects & seen, "two replicas share a tensor object"
+        seen |= objects
+
+
+def _shares_storage(x: torch.Tensor, a: torch.Tensor) -> None:
+    """``x`` is a tensor object of its own on ``a``'s memory: zero copy, yet not the caller's."""
+    assert x is not a, "a replica must not hand out the caller's own tensor object"
+    assert x.untyped_storage().data_ptr() == a.untyped_storage().data_ptr(), "copied"
+    assert (x.storage_offset(), x.stride()) == (a.storage_offset(), a.stride())
 
 
 def _with_grad(tree: Any) -> Any:
@@ -139,6 +155,7 @@ def test_replicas_of_a_state_equal_deep_copies_of_the_module(pair: Any, devs: li
         assert list(replica.params) == list(s.params) and list(replica.buffers) == list(s.buffers)
         assert_trees_close(replica.params, dict(copy.named_parameters()))
         assert_trees_close(replica.buffers, dict(copy.named_buffers()))
-        for k, v in s.params.items():  # shared where already on the device, else moved
-            assert (replica.params[k] is v) == (v.device == torch.device(dev))
+        for k, v in s.params.items():  # storage shared where already on the device, else moved
+            if v.device == torch.device(dev):
+                _shares_storage(replica.params[k], v)
             assert replica.params[k].device == torch.device(dev)
