@@ -181,9 +181,15 @@ class _Binder:
             for key, j in children[i]
             if j >= 0 and needs[j]
         ]
-        self.link_parent = [p for p, _, _ in self.links]
-        self.link_key = [key for _, key, _ in self.links]
         self.link_child = [c for _, _, c in self.links]
+        # per parent: its copied children's keys and positions, each looked up in one C call
+        by_parent: dict[int, list[tuple[str, int]]] = {}
+        for parent, key, child in self.links:
+            by_parent.setdefault(parent, []).append((key, child))
+        self.kid_checks = [
+            (parent, _getter([k for k, _ in kids]), _getter([c for _, c in kids]))
+            for parent, kids in by_parent.items()
+        ]
         # copies whose _modules must be merged with the original's on each call
         self.with_children = [k for k, i in enumerate(copied) if mods[i]._modules]
         self.compiled = _dynamo_context(module)
@@ -197,15 +203,16 @@ class _Binder:
         dicts = list(map(_DICT, mods))
         at = dicts.__getitem__
         try:
-            same = (
-                list(map(_PARAMS, map(at, self.with_params))) == self.snap_params
-                and list(map(_BUFFERS, map(at, self.with_buffers))) == self.snap_buffers
-                and list(map(operator.getitem, map(_MODULES, map(at, self.link_parent)), self.link_key))
-                == list(map(mods.__getitem__, self.link_child))
-            )
+            if list(map(_PARAMS, map(at, self.with_params))) != self.snap_params:
+                return None
+            if self.with_buffers and list(map(_BUFFERS, map(at, self.with_buffers))) != self.snap_buffers:
+                return None
+            for parent, keys, positions in self.kid_checks:
+                if keys(dicts[parent]["_modules"]) != positions(mods):
+                    return None
         except (KeyError, RuntimeError):  # a child gone; tensors compared by value: changed
-            same = False
-        return dicts if same else None
+            return None
+        return dicts
 
     def skeleton(self) -> _Skeleton:
         try:
@@ -226,6 +233,14 @@ class _Binder:
     def release(self, skel: _Skeleton) -> None:
         if len(self.pool) < _POOL_SIZE:
             self.pool.append(skel)
+
+
+def _getter(items: list[Any]) -> Callable[[Any], tuple[Any, ...]]:
+    """``itemgetter`` that always returns a tuple (one item included)."""
+    if len(items) == 1:
+        get = operator.itemgetter(items[0])
+        return lambda x: (get(x),)
+    return operator.itemgetter(*items)  # type: ignore[return-value]
 
 
 def _dynamo_context(module: nn.Module) -> Callable[[nn.Module], nn.Module] | None:
