@@ -7,9 +7,9 @@ and ``torch.func`` alike (the seed's ``Broadcast``).
 
 A leaf already on a target device is not copied, but neither is it handed
 out as is: every replica gets tensor objects of its own that share the
-leaf's storage (``detach()`` for a leaf outside every graph, ``view_as`` for
-one in a graph or under a ``torch.func`` transform, so that gradients still
-flow back to it). A forward that writes ``.grad`` or calls ``zero_grad()`` on
+leaf's storage (``detach()`` for a leaf outside every graph, ``aten.alias`` for
+one in a graph, ``view_as`` under a ``torch.func`` transform, so that gradients
+still flow back to it). A forward that writes ``.grad`` or calls ``zero_grad()`` on
 its replica then touches that replica's objects only, never the caller's nor
 another replica's (replicas run in threads of their own).
 """
@@ -137,9 +137,13 @@ def _module_error(module: nn.Module) -> TypeError:
     )
 
 
+_ALIAS = torch.ops.aten.alias.default
+
+
 def _alias_in_graph(t: torch.Tensor) -> torch.Tensor:
-    # a leaf in a graph gets a view, through which its replica's gradients flow back
-    return t.view_as(t) if t.requires_grad else t.detach()
+    # a leaf in a graph gets an alias, through which its replica's gradients flow back as
+    # they are (a view's backward reshapes, which a sparse gradient refuses: nn.Embedding)
+    return _ALIAS(t) if t.requires_grad else t.detach()
 
 
 def _view(t: torch.Tensor) -> torch.Tensor:
