@@ -9,11 +9,13 @@ in the private package ``freplicate/_distributed/``; this module only publishes 
 from ._distributed import all_reduce as all_reduce
 from ._distributed import broadcast as broadcast
 from ._distributed import grad_and_value as grad_and_value
+from ._distributed import join as join
 from ._distributed import sync_buffers as sync_buffers
 
 __all__ = [
     "all_reduce",
     "broadcast",
     "grad_and_value",
+    "join",
     "sync_buffers",
 ]

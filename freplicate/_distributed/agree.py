@@ -63,7 +63,7 @@ class _History:
     (``record``). ``known``: the last ``KNOWN`` layouts, most recent first;
     ``after``: the layout that followed each of them last time; ``last``:
     the latest; ``sparse``: the parameter layouts whose gradients came out
-    sparse (``grad_and_value`` reduces those after the backward pass).
+    sparse, and which (``grad_and_value`` reduces those after the backward pass).
     """
 
     __slots__ = ("__weakref__", "after", "known", "last", "sparse")
@@ -72,7 +72,7 @@ class _History:
         self.known: list[Agreed] = []
         self.after: dict[int, int] = {}
         self.last: int | None = None
-        self.sparse: set[int] = set()
+        self.sparse: dict[int, dict[int, int]] = {}
 
     def expected(self) -> Agreed | None:
         """The layout predicted for the next call: what followed the latest last time, or it."""
@@ -99,8 +99,13 @@ def _history(group: Any) -> _History:
     return history
 
 
-def sparse_gradients(group: Any) -> set[int]:
-    """The fingerprints of the parameter layouts whose gradients are sparse, the same on every rank."""
+def sparse_gradients(group: Any) -> dict[int, dict[int, int]]:
+    """The parameter layouts whose gradients are sparse, the same on every rank.
+
+    Keyed by the layout's fingerprint: the positions of its sparse gradients
+    among its leaves (``flatten_in_order``'s order), each with its number of
+    sparse dimensions, which a ``skip`` mirrors.
+    """
     return _history(group).sparse
 
 
@@ -220,6 +225,12 @@ def _mirror(first: FirstCollective, *, on_known: int, failed: bool, group: Any) 
     return flags
 
 
+def _options(options: tuple[Any, ...]) -> str:
+    """A plan's options (``plan_for``'s), named as the public functions' keywords."""
+    names = ("op", "bucket_cap_mb", "compress", "src", "weighted")
+    return "(" + ", ".join(f"{n}={v!r}" for n, v in zip(names, options)) + ")"
+
+
 def _mismatch(everyone: list[Any], paths: Sequence[str]) -> str:
     """Text naming the first difference between rank 0's layout and another rank's."""
     _, (spec0, sig0, slot0, opts0), caller0 = everyone[0]
@@ -232,8 +243,9 @@ def _mismatch(everyone: list[Any], paths: Sequence[str]) -> str:
             )
         if opts_r != opts0:
             return (
-                f"the call's options differ across ranks: {opts0} on rank 0, {opts_r} on rank {r}; "
-                "every rank must pass the same op, bucket_cap_mb, compress and src"
+                f"the call's options differ across ranks: {_options(opts0)} on rank 0, "
+                f"{_options(opts_r)} on rank {r}; every rank must pass the same op, "
+                "bucket_cap_mb, compress and src, and a weight on every rank or on none"
             )
         if spec_r != spec0:
             where = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Literal
 
 import optree
@@ -16,7 +18,16 @@ from .group import check_not_transformed, check_src, comm_errors, world_size
 from .pipeline import Reduction
 from .plan import COMPRESS, Plan, plan_for, rebuild_tree
 
-__all__ = ["all_reduce", "broadcast", "check_reduce_args", "reduce_tree", "run", "sync_buffers"]
+__all__ = [
+    "all_reduce",
+    "broadcast",
+    "check_reduce_args",
+    "check_weighted",
+    "reduce_tree",
+    "run",
+    "sync_buffers",
+    "weight_value",
+]
 
 _COMPRESS_CHOICES = tuple(COMPRESS)
 
@@ -29,6 +40,7 @@ def all_reduce(
     bucket_cap_mb: float = 25.0,
     compress: Compress = None,
     check: bool = True,
+    weight: float | None = None,
 ) -> TensorTree:
     """A new tree whose tensor leaves are the sum or mean of ``tree``'s over the ranks of ``group``.
 
@@ -54,6 +66,13 @@ def all_reduce(
     that order, the check rides in the first bucket, at no collective of its
     own; another known layout costs one small extra collective, a new one two.
 
+    ``weight`` (this rank's, a number >= 0) makes the mean a weighted one,
+    ``sum_r weight_r * tree_r / sum_r weight_r`` (zeros where every weight is
+    0): each rank sends its weighted leaves and its weight in the same buckets,
+    at no collective more, then divides by the summed weights. With each
+    rank's number of examples as its weight, the mean of per-rank means is
+    the mean over all the examples, however unevenly they are spread.
+
     Args:
         tree: the tree to reduce; its tensor leaves may lie on several devices.
         op: ``"mean"`` (DDP's) or ``"sum"``.
@@ -64,6 +83,8 @@ def all_reduce(
         check: ``False`` skips the cross-rank layout check, and with it the promise
             that ranks that part ways raise instead of hanging (pass it alike on
             every rank).
+        weight: this rank's weight in a weighted mean (``op="mean"`` only),
+            or ``None`` for the plain mean; give one on every rank or on none.
 
     Returns:
         The reduced tree; ``tree`` itself without an initialised process group,
@@ -71,10 +92,11 @@ def all_reduce(
 
     Raises:
         TypeError: ``op="mean"`` on an integer or bool leaf, or a leaf that
-            cannot be packed (naming its path); a bad ``bucket_cap_mb`` or
-            ``group`` type.
-        ValueError: a bad ``op``, ``compress`` or ``bucket_cap_mb``; trees
-            or options that differ across ranks (on every rank).
+            cannot be packed (naming its path); a bad ``bucket_cap_mb``,
+            ``group`` or ``weight`` type.
+        ValueError: a bad ``op``, ``compress`` or ``bucket_cap_mb``; a
+            negative or non-finite ``weight``, or one with ``op="sum"``;
+            trees or options that differ across ranks (on every rank).
         RuntimeError: under a ``torch.func`` transform; several processes
             launched but no process group initialised.
 
@@ -82,14 +104,21 @@ def all_reduce(
         >>> g = {"w": torch.ones(2, 2), "step": 3}
         >>> fr.distributed.all_reduce(g) is g  # no process group here: unchanged
         True
+        >>> fr.distributed.all_reduce(g, weight=3) is g  # a weighted mean over one rank
+        True
     """
     caller = "fr.distributed.all_reduce"
     check_reduce_args(caller, op, bucket_cap_mb, compress)
+    if weight is not None:
+        check_weighted(caller, op)
+        weight = weight_value(caller, weight)
     world = world_size(group, caller)
     if world <= 1:
         return tree
     check_not_transformed(caller)
-    return reduce_tree(tree, caller, op, group, world, bucket_cap_mb, compress, check)
+    return reduce_tree(
+        tree, caller, op, group, world, bucket_cap_mb, compress, check, weight=weight
+    )
 
 
 def check_reduce_args(caller: str, op: Any, bucket_cap_mb: Any, compress: Any) -> None:
@@ -97,6 +126,45 @@ def check_reduce_args(caller: str, op: Any, bucket_cap_mb: Any, compress: Any) -
     check_op(caller, op)
     check_positive(caller, "bucket_cap_mb", bucket_cap_mb)
     check_choice(caller, "compress", compress, _COMPRESS_CHOICES)
+
+
+def check_weighted(caller: str, op: Any) -> None:
+    """``ValueError`` unless ``op`` is ``"mean"``: a weight makes a mean a weighted one."""
+    if op != "mean":
+        raise ValueError(
+            f"{caller}: weight= makes op='mean' a weighted mean; it has no meaning with "
+            f"op={op!r} (drop weight=, or scale the tree yourself)"
+        )
+
+
+def weight_value(caller: str, weight: Any, what: str = "weight") -> float:
+    """``weight`` as a float if it is a finite number >= 0 (or a one-element real tensor).
+
+    A tensor is read back to the host (on CUDA, a synchronisation).
+
+    >>> weight_value("fr.f", torch.tensor(3))
+    3.0
+    >>> weight_value("fr.f", -1)
+    Traceback (most recent call last):
+    ...
+    ValueError: fr.f: weight must be a finite number >= 0, got -1
+    """
+    value = weight
+    if (
+        isinstance(value, torch.Tensor)
+        and value.numel() == 1
+        and not (value.is_complex() or value.dtype == torch.bool)
+    ):
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{caller}: {what} must be a number (or a one-element real tensor), got "
+            f"{weight!r} of type {type(weight).__name__}"
+        )
+    number = float(value)
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"{caller}: {what} must be a finite number >= 0, got {weight!r}")
+    return number
 
 
 def reduce_tree(
@@ -108,15 +176,24 @@ def reduce_tree(
     bucket_cap_mb: float,
     compress: Compress,
     check: bool,
+    *,
+    weight: float | None = None,
+    scale: float | None = None,
 ) -> TensorTree:
-    """``all_reduce`` on checked options over ``world`` > 1 ranks; errors name ``caller``."""
-    plan, leaves = plan_for(tree, caller, op, bucket_cap_mb, compress, None)
+    """``all_reduce`` on checked options over ``world`` > 1 ranks; errors name ``caller``.
+
+    ``weight``: a weighted mean (``run``); ``scale``: what the leaves are
+    multiplied by (default ``weight``; 1 for leaves weighted already).
+    """
+    plan, leaves = plan_for(tree, caller, op, bucket_cap_mb, compress, None, weight is not None)
     if not plan.unique:  # nothing to reduce; the check still catches a rank that has tensors
         if check:
             with comm_errors(caller):
                 agree(plan, tree, group, world, caller)
         return tree
-    return run(plan, tree, leaves, op, group, world, check, caller, send=True)
+    return run(
+        plan, tree, leaves, op, group, world, check, caller, send=True, weight=weight, scale=scale
+    )
 
 
 def run(
@@ -130,19 +207,26 @@ def run(
     caller: str,
     *,
     send: bool,
+    weight: float | None = None,
+    scale: float | None = None,
 ) -> TensorTree:
     """Agree on ``plan``, then all its buckets through the pipeline; the tree of the results.
 
-    ``send=False``: this rank contributes nothing (``broadcast`` off the source).
+    ``send=False``: this rank contributes nothing (``broadcast`` off the
+    source, a ``skip``). ``weight``: this rank's weight in a weighted mean
+    (0 with ``send=False``), ``scale``: what the leaves are multiplied by
+    (default: ``weight``).
     """
     with plan.lock, comm_errors(caller):
         fast = check and agree(plan, tree, group, world, caller)
         poisoned = (lambda: mismatch(plan, tree, group, caller)) if fast else None
         red = Reduction(plan, op, group, world, poisoned, caller)
+        if weight is not None:
+            red.weight = weight
+            red.scale = weight if scale is None else scale
         tensors = leaves if plan.bare else [leaves[i] for i in plan.unique]
         staged = [
-            red.stage(b, plan.parts(b, tensors) if send else None)
-            for b in range(len(plan.buckets))
+            red.stage(b, plan.parts(b, tensors) if send else None) for b in range(len(plan.buckets))
         ]
         for st in staged:
             red.start(st)

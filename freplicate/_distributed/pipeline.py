@@ -5,6 +5,13 @@ One pipeline serves every collective of fr.distributed: ``all_reduce`` and
 mean), ``broadcast`` packs them on the source rank and a neutral filler
 elsewhere (a sum then gives every rank the source's values), so that every
 call's first collective is a first bucket, with the layout check's flags.
+
+A weighted mean packs ``weight * tensor``, sends the weight in the first
+bucket's *weight* flag, and divides the landed sums by the summed weights:
+no collective of its own. An accumulated step (``grad_and_value``'s
+``accumulate``) packs the gradients summed so far and adds the last
+micro-batch's into the bucket as they come. The first bucket also carries
+``join``'s bit (``carry``).
 """
 
 from __future__ import annotations
@@ -17,8 +24,9 @@ import torch.distributed as dist
 
 from .._pack import FlatPool
 from .._typing import Op, TensorTree
+from . import carry
 from .agree import failure, record
-from .plan import FAILED, OFF, Plan
+from .plan import FAILED, FLAGS, MORE, OFF, WEIGHT, Plan
 
 __all__ = ["Reduction"]
 
@@ -29,19 +37,27 @@ class Reduction:
     ``poisoned``: on the fast path of the layout check, what to do if the
     first bucket's flags say another rank ran something else. ``error``: this
     rank's own failure (``fail``), announced to the others in the flags of
-    the buckets still to launch.
+    the buckets still to launch. ``weight``: this rank's weight in a
+    weighted mean (``None``: the plain sum or mean); ``scale``: what its
+    tensors are multiplied by when packed (the weight, unless they were
+    weighted already). ``acc``: gradients accumulated so far, one per tensor
+    of the plan, added to the bucket's own as it is packed.
     """
 
     __slots__ = (
+        "acc",
         "caller",
         "error",
         "group",
+        "joining",
         "launched",
         "op",
         "pending",
         "plan",
         "poisoned",
+        "scale",
         "sparse",
+        "weight",
         "world",
     )
 
@@ -61,6 +77,10 @@ class Reduction:
         self.poisoned = poisoned
         self.caller = caller
         self.error: BaseException | None = None
+        self.weight: float | None = None
+        self.scale = 1.0
+        self.acc: Sequence[torch.Tensor] | None = None
+        self.joining: carry.Joining | None = None
         self.launched = 0
         self.pending: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, Any]] = []
         self.sparse: list[tuple[torch.Tensor, Any]] = []
@@ -69,22 +89,39 @@ class Reduction:
         """Pack bucket ``b`` from ``parts`` (``FlatPool.pack``'s, one per run), ready to start.
 
         ``parts=None``: nothing of this rank's to send (``broadcast`` off the
-        source, or a failed call): the bucket holds -0.0, the sum's neutral
-        element for every value, +0.0 and -0.0 included (0 for integers).
+        source, a ``skip``, or a failed call): the bucket holds -0.0, the
+        sum's neutral element for every value, +0.0 and -0.0 included (0 for
+        integers).
         """
         bucket = self.plan.buckets[b]
         res, runs = bucket.results.take()
         comm, comm_runs = (res, runs) if bucket.comm is None else bucket.comm.take()
         pool = bucket.results if bucket.comm is None else bucket.comm
+        # a mean divides before the sum, as DDP does: one pass with the copy, no fp16 overflow
+        div = self.world if self.op == "mean" and self.weight is None else 1
         if parts is None:
             comm.fill_(-0.0 if comm.is_floating_point() or comm.is_complex() else 0)
+        elif self.acc is not None:
+            # in full precision: the sum so far, then this micro-batch's gradients added in
+            bucket.results.pack(runs, self.plan.parts(b, self.acc), div=div)
+            _add(runs, parts, self.scale if self.weight is not None else 1 / div)
+            if comm is not res:
+                comm.copy_(res)
         else:
-            # a mean divides before the sum, as DDP does: one pass with the copy, no fp16 overflow
-            pool.pack(comm_runs, parts, div=self.world if self.op == "mean" else 1)
+            pool.pack(comm_runs, parts, div=div)
+            if self.weight is not None and self.scale != 1:
+                comm[: comm.numel() - bucket.extra].mul_(self.scale)
         if bucket.clear is not None:
             comm[-bucket.extra :].copy_(bucket.clear)
             if self.error is not None:
                 comm[FAILED if b == 0 else -1] = 1
+            if b == 0 and bucket.extra == FLAGS:
+                if self.weight is not None:
+                    comm[WEIGHT] = self.weight
+                joining = carry.armed(self.group)
+                if joining is not None and self.plan.speculates(self.world):
+                    comm[MORE] = joining.bit or 0
+                    self.joining = joining
         return runs, comm, res, bucket.red
 
     def start(self, staged: tuple[Any, ...]) -> None:
@@ -112,14 +149,19 @@ class Reduction:
             indices, values = c.indices(), c.values()
             if not send:
                 indices, values = indices[:, :0], values[:0]
-            mine = torch.sparse_coo_tensor(
-                indices.clone(),
-                values / self.world if self.op == "mean" else values.clone(),
-                c.shape,
-                is_coalesced=True,
-            )
+            if self.weight is not None:
+                values = values * self.scale
+            elif self.op == "mean":
+                values = values / self.world
+            else:
+                values = values.clone()
+            mine = torch.sparse_coo_tensor(indices.clone(), values, c.shape, is_coalesced=True)
             work = dist.all_reduce(mine, group=self.group, async_op=True)
             self.sparse.append((mine, work))
+        if tensors and self.weight is not None and not self.plan.buckets:
+            # no bucket to carry the weight: the weights' sum travels on its own
+            total = torch.tensor([self.weight], dtype=torch.float64, device=mine.device)
+            self.sparse.append((total, dist.all_reduce(total, group=self.group, async_op=True)))
 
     def fail(self, error: BaseException) -> None:
         """This rank's call failed: launch what is left with the failed flag, then raise together.
@@ -161,17 +203,55 @@ class Reduction:
         views: list[torch.Tensor] = []
         for runs, _, _, _ in self.pending:
             views += FlatPool.views(runs)
-        views += [mine for mine, _ in self.sparse]
-        out = build(self.plan.reorder(views))
+        sparse = [mine for mine, _ in self.sparse[: len(self.plan.sparse)]]
+        out = build(self.plan.reorder(views + sparse))
         if self.poisoned is not None:
             self.confirm()
         for *_, work in self.pending + self.sparse:
             work.wait()
         if self.pending:
-            last = self.pending[-1][1]
+            first, last = self.pending[0][1], self.pending[-1][1]
             if last[FAILED if len(self.pending) == 1 else -1].item() != 0:
                 failure(self.group, self.caller, self.error)
+            if self.joining is not None:
+                self.joining.settle(first[MORE].real.item() != 0)
         for _, comm, res, _ in self.pending:
             if comm is not res:
                 res.copy_(comm)
+        if self.weight is not None:
+            self._divide(sparse)
         return out
+
+    def _divide(self, sparse: Sequence[torch.Tensor]) -> None:
+        """A weighted mean's last step: every landed sum divided by the sum of the weights.
+
+        Zero weights on every rank (nothing to average) give zeros.
+        """
+        if self.pending:
+            total = float(self.pending[0][1][WEIGHT].real.item())
+        elif len(self.sparse) > len(sparse):
+            total = float(self.sparse[-1][0].item())
+        else:
+            return
+        with torch.no_grad():
+            for b, (_, _, res, _) in enumerate(self.pending):
+                data = res[: res.numel() - self.plan.buckets[b].extra]
+                if total:
+                    data.div_(total)
+                else:
+                    data.zero_()
+            for mine in sparse:
+                if total:
+                    mine.div_(total)
+                else:
+                    mine.mul_(0)
+
+
+def _add(runs: Sequence[torch.Tensor], parts: Sequence[Any], alpha: float) -> None:
+    """Add ``parts`` (``FlatPool.pack``'s, one per run) times ``alpha`` into ``runs``, in place."""
+    with torch.no_grad():
+        for run, part in zip(runs, parts):
+            if isinstance(part, torch.Tensor):
+                run.add_(part, alpha=alpha)
+            else:
+                torch._foreach_add_(list(run.unbind(0)), list(part), alpha=alpha)

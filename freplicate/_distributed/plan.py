@@ -38,8 +38,10 @@ __all__ = [
     "FAILED",
     "FLAGS",
     "KNOWN",
+    "MORE",
     "OFF",
     "ON",
+    "WEIGHT",
     "Bucket",
     "FirstCollective",
     "Plan",
@@ -60,10 +62,12 @@ _FIRST_BUCKET_BYTES = 1024 * 1024
 # How many layouts each group remembers as run by every rank (``agree``).
 KNOWN = 8
 # The trailing elements of a plan's first bucket, as negative indices: [off the expected layout,
-# on it, failed, then one per known layout: not on it]. Each sums up to the world size; only
-# "> 0" is read (see ``agree``). The last bucket, when it is another, ends with [failed] alone.
-FLAGS = 3 + KNOWN
-OFF, ON, FAILED = -FLAGS, -FLAGS + 1, -FLAGS + 2
+# on it, failed, weight, more, then one per known layout: not on it]. Each flag sums up to the
+# world size; only "> 0" is read (see ``agree``). *weight* is the rank's weight in a weighted
+# mean (summed: the divisor); *more* is the rank's bit for ``fr.distributed.join`` (any rank
+# has a next item). The last bucket, when it is another, ends with [failed] alone.
+FLAGS = 5 + KNOWN
+OFF, ON, FAILED, WEIGHT, MORE = range(-FLAGS, -FLAGS + 5)
 
 
 class FirstCollective(NamedTuple):
@@ -249,14 +253,16 @@ def plan_for(
     cap_mb: float,
     compress: Compress,
     src: int | None,
+    weighted: bool = False,
 ) -> tuple[Plan, list[Any]]:
     """The cached plan of ``tree``'s layout with these options, and the tree's leaves.
 
     Plans are shared by every public function (``caller`` names the one that
     builds it, in its errors): ``grad_and_value``'s gradients and
     ``all_reduce``'s trees of one layout have one plan, and one pool.
+    ``weighted``: a weighted mean, which every rank must run alike (an option).
     """
-    options = (op, cap_mb, compress, src)
+    options = (op, cap_mb, compress, src, weighted)
     slot: list[int] | None = None
     unique: list[int]
     values = tensor_values(tree)
