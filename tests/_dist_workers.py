@@ -87,14 +87,20 @@ def spawn(
     deadline: float = 90.0,
     die: int | None = None,
     stall: bool = False,
+    target: Callable[..., None] | None = None,
 ) -> dict[str, list[Any]]:
-    """Run ``names`` on 2 ranks; ``{name: [rank 0's result, rank 1's]}``, killing stragglers."""
+    """Run ``names`` on 2 ranks; ``{name: [rank 0's result, rank 1's]}``, killing stragglers.
+
+    ``target``: the ranks' entry point, ``_main`` unless a module of more
+    scenarios passes its own (one that imports it, registering them).
+    """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     tmp = tempfile.mkdtemp(prefix="freplicate-test-")
     store = os.path.join(tmp, "store")
+    entry = _main if target is None else target
     procs = [
-        ctx.Process(target=_main, args=(r, store, names, out, pg_timeout, die, stall), daemon=True)
+        ctx.Process(target=entry, args=(r, store, names, out, pg_timeout, die, stall), daemon=True)
         for r in range(WORLD)
     ]
     for p in procs:
@@ -121,6 +127,16 @@ def spawn(
     if len(got) < expected:
         raise AssertionError(f"only ranks {sorted(got)} reported back within {deadline} s")
     return {n: [got[r][n] if r in got else None for r in range(WORLD)] for n in names}
+
+
+def ok(job: dict[str, list[Any]], name: str) -> list[Any]:
+    """Both ranks' results of ``name``; a scenario that raised fails the test with its traceback."""
+    import pytest  # the parent's only: the ranks never call this
+
+    for rank, res in enumerate(job[name]):
+        if isinstance(res, tuple) and res and res[0] == "raised":
+            pytest.fail(f"{name} raised on rank {rank}:\n{res[3]}")
+    return job[name]
 
 
 # --- data ---------------------------------------------------------------------------

@@ -33,12 +33,7 @@ def job() -> dict[str, list[Any]]:
     return w.spawn(names, pg_timeout=30.0, deadline=150.0)
 
 
-def ok(job: dict[str, list[Any]], name: str) -> list[Any]:
-    """Both ranks' results of ``name``; a scenario that raised fails the test with its traceback."""
-    for rank, res in enumerate(job[name]):
-        if isinstance(res, tuple) and res and res[0] == "raised":
-            pytest.fail(f"{name} raised on rank {rank}:\n{res[3]}")
-    return job[name]
+ok = w.ok
 
 
 def raised(job: dict[str, list[Any]], name: str, kind: str, pattern: str) -> None:
