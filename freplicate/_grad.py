@@ -27,6 +27,7 @@ import torch
 import torch.func
 from torch.overrides import has_torch_function
 
+from . import _caches
 from ._leaves import UNSTACKED, Leaves, leaves_for
 from ._torch import engine_grad, is_compiling, transform_level
 from ._tree import tensor_values
@@ -148,8 +149,9 @@ def differentiate(
         new_args = _with(args, nums, flat, fresh)
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
+            full = reentrant(fn, value, diff, caller)
             try:
-                grads = layout.split(gradients(value, diff))
+                grads = layout.split(gradients(value, diff, full=full))
             except RuntimeError as err:
                 if "use_reentrant=True" not in str(err):
                     raise
@@ -161,11 +163,8 @@ def differentiate(
                 diff, fresh = layout.make(tensors)  # type: ignore[misc]
                 new_args = _with(args, nums, flat, fresh)
                 value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
-                if value.requires_grad:
-                    torch.autograd.backward(value)
-                grads = layout.split(
-                    [d.grad if d.grad is not None else torch.zeros_like(d) for d in diff]
-                )
+                _REENTRANT[_key(fn)] = True
+                grads = layout.split(gradients(value, diff, full=True))
         trees = _rebuild(flat, grads)
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         return result, detached(value, aux, has_aux)
@@ -278,6 +277,12 @@ def _through_graph(
         fresh = [t.view_as(t) if t.requires_grad else t.detach().requires_grad_() for t in tensors]
         new_args = _with(args, nums, flat, fresh)
         value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
+        if value.requires_grad and reentrant(fn, value, fresh, caller):
+            raise RuntimeError(
+                f"{caller}: fn uses torch.utils.checkpoint with use_reentrant=True, and an "
+                "argument carries an autograd graph: autograd cannot keep gradients through "
+                "reentrant checkpoints differentiable. Use use_reentrant=False."
+            )
         if value.requires_grad and fresh:
             grads = torch.autograd.grad(
                 value, fresh, create_graph=True, allow_unused=True, materialize_grads=True
@@ -316,7 +321,9 @@ def split_output(output: Any, has_aux: bool, name: str) -> tuple[torch.Tensor, A
     return value, aux
 
 
-def gradients(value: torch.Tensor, leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+def gradients(
+    value: torch.Tensor, leaves: list[torch.Tensor], *, full: bool = False
+) -> tuple[torch.Tensor, ...]:
     """d value / d leaves, zeros for leaves that do not reach ``value`` (as torch.func).
 
     ``torch.autograd.grad``'s own engine call, without the argument checks
@@ -324,13 +331,87 @@ def gradients(value: torch.Tensor, leaves: list[torch.Tensor]) -> tuple[torch.Te
     small model): ``value`` is a real scalar and ``leaves`` this call's own
     fresh tensors. Anything else (tensor subclasses, complex values, a torch
     without that entry point) goes through ``torch.autograd.grad`` itself.
+    With ``full``, one ``.backward()`` accumulates into the leaves' ``.grad``
+    (what a reentrant activation checkpoint requires; the leaves are the
+    caller's own fresh tensors, so nothing else of the caller's is written
+    unless ``fn`` closed over tensors that require grad: ``reentrant``
+    refuses those).
     """
     if not (value.requires_grad and leaves):
         return tuple(torch.zeros_like(t) for t in leaves)
+    if full:
+        torch.autograd.backward(value)
+        out = tuple(t.grad if t.grad is not None else torch.zeros_like(t) for t in leaves)
+        for t in leaves:
+            t.grad = None
+        return out
     if value.is_complex() or has_torch_function((value, *leaves)):
         return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
     grads = engine_grad(value, leaves)
     return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
+
+
+# Whether a function's graphs hold a reentrant activation checkpoint, by its code: a
+# ``fr.grad_and_value(loss)`` made anew each step looks once, not every step.
+_REENTRANT: dict[Any, bool] = {}
+_REENTRANT_SIZE = 256
+_caches.register(_REENTRANT.clear)
+
+
+def _key(fn: Callable[..., Any]) -> Any:
+    # a hint only: a wrong answer costs speed (the engine refuses, and fn runs again), not results
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "func", None), "__code__", None)
+    return code if code is not None else id(fn)
+
+
+def reentrant(fn: Callable[..., Any], value: torch.Tensor, leaves: Sequence[torch.Tensor], caller: str) -> bool:
+    """Whether ``value``'s graph holds a reentrant checkpoint (``use_reentrant=True``).
+
+    autograd differentiates those only in a full ``.backward()`` (``.grad()``
+    with inputs raises in them, or skips them where no input lies below):
+    found by one walk of the graph the first time a function's code is seen.
+    A full backward writes ``.grad`` of every leaf that requires grad: refused
+    when the graph holds one that is not among ``leaves``.
+    """
+    key = _key(fn)
+    known = _REENTRANT.get(key)
+    if known is not None:
+        return known
+    found, others = _walk(value, leaves)
+    if len(_REENTRANT) >= _REENTRANT_SIZE:
+        _REENTRANT.clear()
+    _REENTRANT[key] = found
+    if found and others:
+        raise RuntimeError(
+            f"{caller}: fn uses torch.utils.checkpoint with use_reentrant=True, which autograd "
+            "differentiates only with a full .backward(); that would also write the .grad of "
+            f"{others} tensor(s) that fn uses and that require grad outside the differentiated "
+            "arguments. Use use_reentrant=False (PyTorch's recommendation), or detach them."
+        )
+    return found
+
+
+def _walk(value: torch.Tensor, leaves: Sequence[torch.Tensor]) -> tuple[bool, int]:
+    """``(a reentrant checkpoint found, leaves of the graph other than ``leaves``)``."""
+    from torch.utils.checkpoint import CheckpointFunction
+
+    ours = {id(t) for t in leaves}
+    found, others = False, 0
+    seen: set[int] = set()
+    stack = [value.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and issubclass(cls, CheckpointFunction):
+            found = True
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) not in ours:
+            others += 1
+        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    return found, others
 
 
 def detached(value: torch.Tensor, aux: Any, has_aux: bool) -> Any:

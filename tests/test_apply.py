@@ -395,3 +395,18 @@ def test_every_fast_path_is_on_with_the_pinned_torch() -> None:
     assert torch.func.grad(lambda x: torch.tensor(float(_torch.transform_level() is not None)) + x)(
         torch.tensor(0.0)
     ) == 1.0
+
+
+def test_reentrant_checkpoint_below_a_closed_over_input_is_refused_not_zero() -> None:
+    # autograd.grad with inputs skips a reentrant checkpoint that no input lies below: the
+    # block's gradients came back zero; a full .backward() would write x.grad: refuse
+    model = build("reentrant")
+    x = torch.randn(5, 4).requires_grad_()
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = cp.checkpoint(model.block, x, use_reentrant=True)  # below x only
+        return fr.apply(model.head, fr.State({k[5:]: v for k, v in p.items() if k.startswith("head.")}, {}), h)[0].sum()
+
+    with pytest.raises(RuntimeError, match=r"use_reentrant=True, which autograd differentiates only with a full \.backward\(\)"):
+        fr.grad_and_value(loss)(shifted(model))
+    assert x.grad is None
