@@ -28,7 +28,7 @@ import torch.func
 from torch.overrides import has_torch_function
 
 from . import _caches
-from ._leaves import UNSTACKED, Leaves, leaves_for
+from ._leaves import UNSTACKED, Leaves, leaves_for, unstack
 from ._torch import engine_grad, is_compiling, transform_level
 from ._tree import tensor_values
 
@@ -153,18 +153,25 @@ def differentiate(
             try:
                 grads = layout.split(gradients(value, diff, full=full))
             except RuntimeError as err:
-                if "use_reentrant=True" not in str(err):
+                sparse = layout is not UNSTACKED and "sparse" in str(err)
+                if not (sparse or "use_reentrant=True" in str(err)):
                     raise
-                # a reentrant checkpoint: autograd differentiates it only in a full
-                # .backward(); run fn again (same random numbers where known) and take one
+                # A stacked leaf got a sparse gradient (nn.Embedding(sparse=True)), which a
+                # stack's backward refuses: never stack this layout again. Or a reentrant
+                # checkpoint, which autograd differentiates only in a full .backward().
+                # Either way run fn again (same random numbers where known).
                 del value, aux
                 if rng is not None:
                     torch.set_rng_state(rng)
+                if sparse:
+                    unstack(tensors)
+                    layout = UNSTACKED
+                else:
+                    _REENTRANT[_key(fn)] = full = True
                 diff, fresh = layout.make(tensors)  # type: ignore[misc]
                 new_args = _with(args, nums, flat, fresh)
                 value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
-                _REENTRANT[_key(fn)] = True
-                grads = layout.split(gradients(value, diff, full=True))
+                grads = layout.split(gradients(value, diff, full=full))
         trees = _rebuild(flat, grads)
         result = trees[0] if isinstance(argnums, int) else tuple(trees)
         return result, detached(value, aux, has_aux)

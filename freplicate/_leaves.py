@@ -22,7 +22,7 @@ import torch
 from . import _caches
 from ._tree import picker
 
-__all__ = ["PLAIN", "STACK_NUMEL", "UNSTACKED", "Leaves", "leaves_for", "stack_groups"]
+__all__ = ["PLAIN", "STACK_NUMEL", "UNSTACKED", "Leaves", "leaves_for", "stack_groups", "unstack"]
 
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 _DETACH = torch.Tensor.detach
@@ -143,6 +143,17 @@ def stack_groups(sigs: Sequence[tuple[torch.Size, torch.dtype, torch.device]]) -
         key = (shape, dtype, device) if shape.numel() <= STACK_NUMEL else i
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def unstack(tensors: Sequence[torch.Tensor]) -> None:
+    """Never stack ``tensors``' layout again: one of them gets a sparse gradient.
+
+    A parameter's gradient can be sparse (``nn.Embedding(sparse=True)``),
+    which a stack's backward cannot take; nothing says so before the backward.
+    """
+    sigs = tuple(map(_SIG, tensors))
+    with _LAYOUTS_LOCK:
+        _LAYOUTS[sigs] = UNSTACKED
 
 
 def leaves_for(tensors: Sequence[torch.Tensor]) -> Leaves:

@@ -437,3 +437,35 @@ def test_a_plain_dict_comes_back_in_its_own_key_order() -> None:
     # a dict subclass or a nested dict takes optree's way, with the same answers
     for other in (collections.OrderedDict(tree), {**tree, "inner": {"d": torch.tensor(4.0)}}):
         assert_same(fr.grad_and_value(f)(other), torch.func.grad_and_value(f)(other), exact=True)
+
+
+class _SparseAmongSameShapes(nn.Module):
+    """A sparse embedding whose weight has the shape of eight dense weights (stacked together)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(3, 3, sparse=True)
+        self.layers = nn.ModuleList([nn.Linear(3, 3, bias=False) for _ in range(8)])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return h.sum()
+
+
+def test_a_sparse_gradient_among_stacked_leaves_equals_torch_func() -> None:
+    torch.manual_seed(0)
+    model = _SparseAmongSameShapes()
+    params = fr.state(model).params
+    idx = torch.tensor([0, 2, 2])
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return fr.apply(model, fr.State(p, {}), idx)[0]
+
+    expected = torch.func.grad(lambda p: torch.func.functional_call(model, p, (idx,)))(params)
+    for _ in range(2):  # the call that finds the sparse gradient, and one after it
+        grads, _ = fr.grad_and_value(loss)(params)
+        assert grads["emb.weight"].is_sparse
+        for k in expected:
+            torch.testing.assert_close(grads[k].to_dense(), expected[k].to_dense(), msg=k)
