@@ -64,14 +64,18 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def forward_sides(model: nn.Module, x: torch.Tensor) -> list[Callable[[], Any]]:
     s = fr.state(model)
     flat = {**s.params, **s.buffers}
+    # the last two build an unrelated module before each call, as a loss that makes its own
+    # nn.CrossEntropyLoss() does: the module's own cost is on both sides
     sides = [
         lambda: model(x),
         lambda: fr.apply(model, s, x)[0],
         lambda: torch.func.functional_call(model, flat, (x,)),
+        lambda: (nn.CrossEntropyLoss(), model(x))[1],
+        lambda: (nn.CrossEntropyLoss(), fr.apply(model, s, x)[0])[1],
     ]
     with torch.no_grad():
         ref = sides[0]()
-        for name, side in zip(("fr.apply", "functional_call"), sides[1:]):
+        for name, side in zip(("fr.apply", "functional_call", "module(x)", "fr.apply"), sides[1:]):
             check(torch.equal(side(), ref), f"forward: {name} != module(x)")
     return sides
 
@@ -165,6 +169,9 @@ def run(quick: bool = False) -> list[Row]:
         small = name in ("many_small", "small_mlp")
         rows.append(_row(name, "fr.apply / module(x)", t, 1, 0, APPLY if small else None))
         rows.append(_row(name, "torch.func.functional_call / module(x)", t, 2, 0))
+        rows.append(
+            _row(name, "fr.apply / module(x), a module built before each", t, 4, 3, APPLY if small else None)
+        )
 
         t = interleave(grad_sides(model, x, y), pairs=pairs, warmup=warmup)
         stateful = "stateful fwd+backward"
