@@ -314,3 +314,31 @@ def accumulate_weighted(rank: int) -> dict[str, Any]:
         pairs.append((summed, fr.distributed.all_reduce(total)))
         params = sgd(params, grads)
     return {"pairs": pairs}
+
+
+@scenario
+def weighted_corners(rank: int) -> dict[str, Any]:
+    """Compressed buckets with accumulation and with weights; weighted sparse leaves, alone (the
+    weights then travel on their own) and beside dense ones."""
+    torch.manual_seed(0)
+    model = Net(batchnorm=False)
+    loss_fn = loss_of(model)
+    local = fr.grad_and_value(loss_fn)
+    params = fr.state(model).params
+    micro = micro_of(rank, 7)
+    grads, _ = fr.distributed.grad_and_value(loss_fn, compress="bf16").accumulate(params, micro)
+    mine = [local(params, *b)[0] for b in micro]
+    total = {k: sum((g[k] for g in mine), torch.zeros_like(v)) for k, v in params.items()}
+    tree = {"v": torch.full((5,), rank + 1.0), "w": torch.randn(3, 3) * (rank + 1)}
+    w = [3, 1][rank]
+    e = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.full((2, 2), rank + 1.0), (5, 2))
+    return {
+        "accumulated_bf16": (grads, fr.distributed.all_reduce(total)),
+        "weighted_bf16": (
+            fr.distributed.all_reduce(tree, weight=w, compress="bf16"),
+            fr.distributed.all_reduce(tree, weight=w),
+        ),
+        "sparse_alone": dense(fr.distributed.all_reduce({"e": e}, weight=w)),
+        "sparse_mixed": dense(fr.distributed.all_reduce({"e": e, "v": tree["v"]}, weight=w)),
+        "everyone": [dense(t) for t in gather_all({"e": e, "v": tree["v"]})],
+    }

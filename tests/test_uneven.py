@@ -37,6 +37,7 @@ SCENARIOS = [
     "join_sparse",
     "accumulate_against_ddp",
     "accumulate_weighted",
+    "weighted_corners",
 ]
 
 
@@ -165,6 +166,16 @@ def test_weighted_accumulate_is_the_full_batch_gradient(job):
         assert len(r["pairs"]) == 4
         for got, want in r["pairs"]:
             close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compressed_and_sparse_weighted_means(job):
+    for r in ok(job, "weighted_corners"):
+        close(*r["accumulated_bf16"], rtol=2e-2, atol=2e-3)
+        close(*r["weighted_bf16"], rtol=2e-2, atol=2e-2)
+        a, b = r["everyone"]
+        want = {k: (3 * a[k] + 1 * b[k]) / 4 for k in a}
+        close(r["sparse_alone"], {"e": want["e"]}, rtol=1e-6, atol=0)
+        close(r["sparse_mixed"], want, rtol=1e-6, atol=0)
 
 
 # --- without a process group ----------------------------------------------------------
