@@ -342,3 +342,24 @@ def weighted_corners(rank: int) -> dict[str, Any]:
         "sparse_mixed": dense(fr.distributed.all_reduce({"e": e, "v": tree["v"]}, weight=w)),
         "everyone": [dense(t) for t in gather_all({"e": e, "v": tree["v"]})],
     }
+
+
+@scenario
+def accumulate_raises(rank: int) -> dict[str, Any]:
+    """A micro-batch fails on rank 1 before its last one (locally, no collective yet): rank 1
+    gets its own error, rank 0, already in the step's reduction, one naming rank 1."""
+    torch.manual_seed(0)
+    model = Net(batchnorm=False)
+    params = fr.state(model).params
+    step = fr.distributed.grad_and_value(loss_of(model))
+    step.accumulate(params, micro_of(rank, 0))  # the layout is known: the fast path
+    micro: list[Any] = micro_of(rank, 1)
+    if rank == 1:
+        micro[1] = micro[1][0]  # a tensor, not a tuple of arguments
+    out: dict[str, Any] = {}
+    try:
+        step.accumulate(params, micro)
+    except Exception as err:
+        out["error"] = (type(err).__name__, str(err))
+    out["after"] = fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")
+    return out

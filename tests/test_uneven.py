@@ -38,6 +38,7 @@ SCENARIOS = [
     "accumulate_against_ddp",
     "accumulate_weighted",
     "weighted_corners",
+    "accumulate_raises",
 ]
 
 
@@ -166,6 +167,17 @@ def test_weighted_accumulate_is_the_full_batch_gradient(job):
         assert len(r["pairs"]) == 4
         for got, want in r["pairs"]:
             close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_micro_batch_failing_on_one_rank_raises_on_every_rank(job):
+    r0, r1 = ok(job, "accumulate_raises")
+    kind, text = r1["error"]
+    assert kind == "TypeError" and "accumulate's micro_batches must yield tuples" in text, text
+    kind, text = r0["error"]
+    assert kind == "RuntimeError", text
+    assert re.search(r"rank 1 \(fr\.distributed\.grad_and_value\) raised TypeError", text), text
+    for r in (r0, r1):
+        torch.testing.assert_close(r["after"]["x"], torch.full((2,), 2.0))
 
 
 def test_compressed_and_sparse_weighted_means(job):

@@ -424,31 +424,28 @@ def grad_and_value(
         world = world_size(group, caller)
         if world > 1:
             check_not_transformed(caller)
-        batches = iter(micro_batches)
         acc = _Sum()
         values: list[Any] = []
-        try:
+        args: tuple[Any, ...] = ()
+        try:  # local work only: a failure here meets the peers' reduction, flagged
+            batches = iter(micro_batches)
             current = next(batches, _END)
-            if current is _END:
-                return skipped(tree)[0], values
-            while True:
+            while current is not _END:
                 args = _micro_args(caller, argnums, tree, current)
                 following = next(batches, _END)
-                if following is _END:
-                    break
+                if following is _END and world > 1:
+                    break  # the last micro-batch: in the reduction
                 grads, value = local(*args)
                 acc.add(grads, None if weigh is None else weigh(args, {}))
                 values.append(value)
                 current = following
-            if world <= 1:
-                grads, value = local(*args)
-                acc.add(grads, None if weigh is None else weigh(args, {}))
         except Exception as err:
             if world > 1:
                 announce(world, err)
             raise
+        if not args:  # no micro-batch on this rank
+            return skipped(tree)[0], values
         if world <= 1:
-            values.append(value)
             total = acc.tree()
             if weigh is not None:
                 total = optree.tree_map(
