@@ -11,8 +11,10 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_choice, check_int, check_op, check_positive
+from .._torch import is_compiling
 from .._tree import tensor_values
 from .._typing import Compress, Op, TensorTree
+from . import compiled
 from .agree import agree, mismatch
 from .group import check_not_transformed, check_src, comm_errors, world_size
 from .pipeline import Reduction
@@ -112,6 +114,10 @@ def all_reduce(
     if weight is not None:
         check_weighted(caller, op)
         weight = weight_value(caller, weight)
+    elif is_compiling():  # functional collectives, traceable (a weighted mean stays eager)
+        return compiled.all_reduce(
+            tree, op=op, group=group, bucket_cap_mb=bucket_cap_mb, compress=compress, check=check
+        )
     world = world_size(group, caller)
     if world <= 1:
         return tree
@@ -271,6 +277,8 @@ def broadcast(
         >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
         True
     """
+    if is_compiling():
+        return compiled.broadcast(tree, src=src, group=group, check=check)
     return _broadcast(tree, "fr.distributed.broadcast", src, group, check)
 
 
@@ -338,6 +346,8 @@ def sync_buffers(
     """
     caller = "fr.distributed.sync_buffers"
     check_choice(caller, "mode", mode, ("broadcast", "mean"))
+    if is_compiling():
+        return compiled.sync_buffers(buffers, mode=mode, src=src, group=group)
     values = tensor_values(buffers)
     leaves = values if values is not None else optree.tree_leaves(buffers)
     if not any(isinstance(x, torch.Tensor) for x in leaves):

@@ -130,10 +130,14 @@ def broadcast(
     collective the compiler could drop as unused on one rank only.
     """
     world = world_size(group, caller)
-    if world <= 1:
-        check_int(caller, "src", src)
+    if world == 0:  # not a rank of group: nothing to do (warned)
         return tree
-    check_src(caller, src, group)
+    if dist.is_available() and dist.is_initialized():
+        check_src(caller, src, group)
+    else:
+        check_int(caller, "src", src)
+    if world == 1:
+        return tree
     name = _group_name(dist.group.WORLD if group is None else group)
     leaves, rebuild, paths = _flatten(tree)
     plan = _plan(
@@ -162,6 +166,9 @@ def sync_buffers(
     """``fr.distributed.sync_buffers`` as Dynamo traces it (the same two policies)."""
     caller = "fr.distributed.sync_buffers"
     check_choice(caller, "mode", mode, ("broadcast", "mean"))
+    if not any(isinstance(x, torch.Tensor) for x in optree.tree_leaves(buffers)):
+        check_int(caller, "src", src)
+        return buffers  # nothing to sync (a model without buffers): no collective
     if mode == "broadcast":
         return broadcast(buffers, src=src, group=group, caller=caller)
     if world_size(group, caller) <= 1:
@@ -251,19 +258,16 @@ def _firsts(leaves: Sequence[Any]) -> tuple[int, ...]:
 
 
 def _raise_if(plan: tuple[Any, ...]) -> None:
-    if plan[0] != "ok":
-        _raise(plan[0], plan[1])
+    """Raise the plan's error, after a graph break that carries its message.
 
-
-@torch.compiler.disable
-def _raise(kind: str, message: str) -> None:
-    """Raise outside the graph: a graph break where the error stops the step anyway.
-
-    Raised in traced code, the error would make Dynamo give up the frame
-    and trace each function it calls as a frame of its own, warning about
-    every builtin on the way.
+    Under ``fullgraph=True`` the break is Dynamo's error, with the message in
+    it; otherwise the error is raised where the graph ends, as in eager code
+    (raised in traced code, Dynamo would retrace every function it calls as
+    a frame of its own, warning about each builtin on the way).
     """
-    raise (TypeError if kind == "TypeError" else ValueError)(message)
+    if plan[0] != "ok":
+        torch._dynamo.graph_break(msg=plan[1])
+        raise (TypeError if plan[0] == "TypeError" else ValueError)(plan[1])
 
 
 def _pack(leaves: Sequence[Any], members: Sequence[int], comm: torch.dtype, div: int) -> Any:

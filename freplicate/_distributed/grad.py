@@ -16,8 +16,10 @@ import torch
 
 from .._grad import detached, differentiate, gradients, split_output
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
+from .._torch import is_compiling
 from .._tree import flatten_in_order
 from .._typing import Compress, Op, TensorTree
+from . import compiled
 from .agree import OwnFailure, agree, announce_failure, mismatch, sparse_gradients
 from .collectives import check_reduce_args, check_weighted, reduce_tree, run, weight_value
 from .group import check_not_transformed, comm_errors, world_size
@@ -315,6 +317,18 @@ def grad_and_value(
             return weight_value(caller, user_weight(*args, **kwargs), "weight(*args)")
 
     def wrapper(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        if weight is None and is_compiling():  # made outside the compiled region, called in it
+            return compiled.grad_and_value(
+                local,
+                args,
+                kwargs,
+                argnums,
+                op=op,
+                group=group,
+                bucket_cap_mb=bucket_cap_mb,
+                compress=compress,
+                check=check,
+            )
         world = world_size(group, caller)
         if world <= 1:
             return local(*args, **kwargs)
