@@ -981,3 +981,59 @@ def survivor(rank: int) -> Any:
         cause = type(err.__cause__).__name__ if err.__cause__ is not None else None
         return ("raised", type(err).__name__, str(err)[:300], cause, time.monotonic() - start)
     return ("returned", time.monotonic() - start)
+
+
+# --- models whose gradients need a rerun or a full backward (property tests' finds) -------------
+
+
+class StackedSparse(nn.Module):
+    """A sparse embedding whose weight shares its shape with a dense one: one stacked run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.fc = nn.Linear(4, 10)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(idx).mean(1))
+
+
+class Reentrant(nn.Module):
+    """A reentrant activation checkpoint, which autograd differentiates in a full backward only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.b, torch.relu(self.a(x)), use_reentrant=True)
+
+
+@scenario
+def stacked_sparse_and_reentrant(rank: int) -> dict[str, Any]:
+    """fr.distributed.grad_and_value equals all_reduce(fr.grad_and_value) on both, 3 steps each."""
+    out: dict[str, Any] = {}
+    for name, net, make in (
+        ("sparse", StackedSparse, lambda g: torch.randint(0, 10, (6, 3), generator=g)),
+        ("reentrant", Reentrant, lambda g: torch.randn(6, 8, generator=g)),
+    ):
+        torch.manual_seed(0)
+        model = net()
+        params = fr.state(model).params
+
+        def loss_fn(p: Any, x: torch.Tensor, model: nn.Module = model) -> Any:
+            return fr.apply(model, fr.State(p, {}), x)[0].square().mean()
+
+        step = fr.distributed.grad_and_value(loss_fn)
+        pairs = []
+        for i in range(3):
+            x = make(torch.Generator().manual_seed(10 * rank + i))
+            grads, _ = step(params, x)
+            want = fr.distributed.all_reduce(fr.grad_and_value(loss_fn)(params, x)[0])
+            pairs.append((dense(grads), dense(want)))
+            params = {k: p - 0.1 * grads[k] for k, p in params.items()}
+        out[name] = pairs
+    return out

@@ -573,3 +573,11 @@ def test_launched_without_a_process_group_raises(monkeypatch, call):
         call()
     monkeypatch.setenv("WORLD_SIZE", "1")
     call()  # one process: nothing to do
+
+
+@pytest.mark.parametrize("name", ["sparse", "reentrant"])
+def test_grad_with_a_stacked_sparse_gradient_or_a_reentrant_checkpoint(job, name):
+    for r in ok(job, "stacked_sparse_and_reentrant"):
+        for got, want in r[name]:
+            close(got, want, rtol=1e-6, atol=1e-7)
+            assert any(v.abs().sum() > 0 for v in got.values())

@@ -14,7 +14,7 @@ from typing import Any
 import optree
 import torch
 
-from .._grad import detached, differentiate, gradients, split_output
+from .._grad import detached, differentiate, gradients, reentrant, split_output
 from .._leaves import PLAIN, STACK_NUMEL, Leaves
 from .._torch import is_compiling
 from .._tree import flatten_in_order
@@ -169,9 +169,11 @@ class _DiffLayout:
     gradient is that run of the bucket as it stands (one copy to pack, one
     hook to watch). ``spans[b]``: bucket ``b``'s leaves; ``segments[b]``:
     per run, 0 where it is one stacked leaf, else its number of tensors.
+    ``proven``: whether a backward pass has gone through its stacks (a stack
+    cannot take a sparse gradient, and nothing tells before the backward).
     """
 
-    __slots__ = ("leaves", "segments", "spans")
+    __slots__ = ("leaves", "proven", "segments", "spans")
 
     def __init__(self, buckets: Sequence[Bucket], stack: bool) -> None:
         groups: list[list[int]] = []
@@ -191,6 +193,7 @@ class _DiffLayout:
             self.spans.append(range(first, len(groups)))
             self.segments.append(segments)
         self.leaves = Leaves(groups)
+        self.proven = not any(0 in segments for segments in self.segments)
 
     def parts(self, b: int, grads: Sequence[torch.Tensor]) -> list[Any]:
         """``FlatPool.pack``'s parts of bucket ``b`` from its leaves' gradients, in span order."""
@@ -383,7 +386,19 @@ def grad_and_value(
                 acc,
             )
         if grads is _SPARSE:  # learnt just now: the local gradients, reduced as a tree
-            local_grads, value, w = value
+            local_grads, value, w, rng = value
+            if local_grads is None:  # a stack refused a sparse gradient: again, locally
+                try:
+                    if rng is not None:
+                        torch.set_rng_state(rng)  # the same random numbers as the first try
+                    local_grads, value = local(*args, **kwargs)
+                except Exception as err:
+                    announce(world, err)
+                    raise
+            flat = flatten_in_order(local_grads)[0]
+            sparse_gradients(group)[plan.fingerprint] = {
+                k: g.sparse_dim() for k, g in enumerate(flat) if g.layout != torch.strided
+            }
             grads = reduce_local(local_grads, w, world, acc)
         return grads, value
 
@@ -543,11 +558,17 @@ def _overlapped(
     gradients (``nn.Embedding(sparse=True)``) cannot fill a bucket: their
     bucket and the later ones are held back, then sent empty (every rank does
     the same, on the same gradients), and ``(_SPARSE, (local gradients,
-    value))`` comes back, to be reduced as a tree; the group remembers the
-    layout, whose later calls reduce after the backward pass on every rank.
+    value, weight, None))`` comes back, to be reduced as a tree; the group
+    remembers the layout, whose later calls reduce after the backward pass on
+    every rank. A sparse gradient that a stacked leaf's backward refuses, or
+    a reentrant checkpoint met by ``.grad()``, drains the buckets alike, and
+    ``(_SPARSE, (None, None, weight, the random state fn started from))``
+    asks the caller to differentiate again, locally. A reentrant activation
+    checkpoint known as such is differentiated by a full backward pass (the
+    hooks fire there as well).
     ``weigh``: the call's weight, evaluated before ``fn``; ``acc``: earlier
     micro-batches' gradients, added into each bucket as it is packed. With
-    sparse gradients, ``(_SPARSE, (local gradients, value, weight))``.
+    sparse gradients, ``(_SPARSE, ...)`` as above.
     """
     layout = _diff_layout(plan, set(map(type, leaves)) <= PLAIN)  # plain tensors only: stacks
     made = layout.leaves.make(leaves)
@@ -596,6 +617,7 @@ def _overlapped(
         for j, d in enumerate(span):
             handles.append(diff[d].register_hook(hook_for(b, j)))
     weight = None
+    rng = None if layout.proven else torch.get_rng_state()
     try:
         if weigh is not None:  # before any bucket is packed: it scales them
             weight = weigh(args, kwargs)
@@ -603,10 +625,21 @@ def _overlapped(
             red.weight = weight if acc is None else acc.weight + weight
         with torch.enable_grad():
             value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
-            grads = gradients(value, diff)
+            grads = gradients(value, diff, full=reentrant(fn, value, diff, caller))
+        layout.proven = True
     except Exception as err:
         if ours:
             raise  # a mismatch or a peer's failure: every rank raises it
+        if isinstance(err, RuntimeError) and (
+            "use_reentrant=True" in str(err) or (not layout.proven and "sparse" in str(err).lower())
+        ):
+            # The engine refused, as on every rank: a stack a sparse gradient (nn.Embedding(
+            # sparse=True) among dense tensors of its shape), or .grad() a reentrant checkpoint
+            # (fr.grad_and_value learns it by fn's code: a closure's twin may fool it once).
+            # Drain the buckets, then differentiate locally.
+            with comm_errors(caller):
+                red.drain()
+            return _SPARSE, (None, None, weight, rng)  # type: ignore[return-value]
         with comm_errors(caller):
             try:
                 red.fail(err)
@@ -620,12 +653,8 @@ def _overlapped(
     if sparse or any(g.layout != torch.strided for g in grads[last.start : last.stop]):
         with comm_errors(caller):
             red.drain()
-        local_grads = layout.leaves.split(grads)
-        sparse_gradients(group)[plan.fingerprint] = {
-            k: g.sparse_dim() for k, g in enumerate(local_grads) if g.layout != torch.strided
-        }
-        local = optree.tree_unflatten(plan.spec, local_grads)
-        return _SPARSE, (local, detached(value, aux, has_aux), weight)  # type: ignore[return-value]
+        local = optree.tree_unflatten(plan.spec, layout.leaves.split(grads))
+        return _SPARSE, (local, detached(value, aux, has_aux), weight, None)  # type: ignore[return-value]
     with comm_errors(caller):
         # Buckets with an unused leaf (its hook never fired) and the last one start now, in order.
         for b in range(red.launched, nb):
