@@ -396,9 +396,9 @@ def grad_and_value(
                     announce(world, err)
                     raise
             flat = flatten_in_order(local_grads)[0]
-            sparse_gradients(group)[plan.fingerprint] = {
-                k: g.sparse_dim() for k, g in enumerate(flat) if g.layout != torch.strided
-            }
+            sparse = {k: g.sparse_dim() for k, g in enumerate(flat) if g.layout != torch.strided}
+            if sparse:  # later calls reduce after the backward pass (a reentrant one: overlapped)
+                sparse_gradients(group)[plan.fingerprint] = sparse
             grads = reduce_local(local_grads, w, world, acc)
         return grads, value
 
