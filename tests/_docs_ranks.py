@@ -1,81 +1,103 @@
-"""Rank-side code of tests/test_docs.py: run pages' python blocks on 2 gloo ranks.
+"""The code blocks of the docs pages, and the rank side of their runs on 2 gloo ranks.
 
-A page whose code is collective (``fr.distributed``) runs as written on every
-rank of a group joined with ``fr.testing.init_loopback_group`` (a file store,
-gloo on loopback only, every collective bounded by the group's timeout): the
-group stands in for the one ``torchrun`` would give. The parent waits with a
-deadline of its own and kills any rank still alive, so a test never hangs.
+``blocks(page)`` reads a page's fenced blocks (and the ``<!-- not run: why -->``
+marker before one); ``run_page(page)`` runs its python blocks in order, as a
+module of its own. A page whose code is collective (``fr.distributed``) runs
+as written on every rank of a group joined with
+``fr.testing.init_loopback_group``, through ``_dist_workers``' spawner (a
+file store, gloo on loopback, every collective bounded by the group's
+timeout, stragglers killed): the group stands in for the one ``torchrun``
+would give. ``main`` is the ranks' entry point; each page is a scenario
+named by its path.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import shutil
-import tempfile
-import time
-import traceback
+import re
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from _dist_workers import SCENARIOS, _main, spawn
 
-from freplicate.testing import init_loopback_group
+ROOT = Path(__file__).resolve().parent.parent
 
-Page = tuple[str, list[tuple[str, str]]]  # (page, [(where, code), ...])
-
-
-def _rank_main(
-    rank: int, world: int, store: str, pages: list[Page], out: Any, timeout: float
-) -> None:
-    torch.set_num_threads(1)
-    init_loopback_group(store, rank, world, timeout=timeout)
-    results: dict[str, str | None] = {}
-    for page, code in pages:
-        namespace: dict[str, object] = {"__name__": f"docs:{page}"}
-        try:
-            for where, block in code:
-                exec(compile(block, where, "exec"), namespace)
-            results[page] = None
-        except BaseException:
-            results[page] = traceback.format_exc()
-    out.put((rank, results))
-    dist.destroy_process_group()
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
 
 
-def run_on_ranks(
-    pages: list[Page], *, world: int = 2, timeout: float = 30.0, deadline: float = 300.0
-) -> dict[str, list[str | None]]:
-    """``{page: [rank 0's traceback or None, rank 1's, ...]}``; a rank that never reports raises."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="freplicate-docs-")
-    store = os.path.join(tmp, "store")
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, store, pages, out, timeout), daemon=True)
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, str | None]] = {}
-    end = time.monotonic() + deadline
+@dataclass
+class Block:
+    page: str
+    line: int  # of the opening fence, from 1
+    lang: str
+    code: str
+    not_run: str | None  # the marker's reason, "" for a marker without one
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+
+def blocks(page: str) -> list[Block]:
+    lines = (ROOT / page).read_text().splitlines()
+    found: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = _FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence = m["indent"], m["fence"]
+        end = i + 1
+        while end < len(lines) and not re.match(rf"^\s*{re.escape(fence)}\s*$", lines[end]):
+            end += 1
+        body = [
+            line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]
+        ]
+        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        marker = _NOT_RUN.match(before)
+        found.append(
+            Block(
+                page=page,
+                line=i + 1,
+                lang=m["info"].strip().split(" ")[0],
+                code="\n".join(body) + "\n",
+                not_run=marker["why"].strip() if marker else None,
+            )
+        )
+        i = end + 1
+    return found
+
+
+def runnable(page: str) -> list[Block]:
+    return [b for b in blocks(page) if b.lang == "python" and b.not_run is None]
+
+
+def run_page(page: str) -> None:
+    """Run the page's python blocks in order, in a module of its own, as a script would run.
+
+    The module is in ``sys.modules`` while it runs: torch.compile looks its
+    functions' module up there.
+    """
+    module = types.ModuleType("docs_page_" + re.sub(r"\W", "_", page))
+    sys.modules[module.__name__] = module
     try:
-        while len(got) < world and time.monotonic() < end:
-            try:
-                rank, results = out.get(timeout=0.5)
-            except queue.Empty:
-                if all(not p.is_alive() for p in procs) and out.empty():
-                    break
-                continue
-            got[rank] = results
+        for b in runnable(page):
+            exec(compile(b.code, b.where, "exec"), module.__dict__)
     finally:
-        for p in procs:
-            p.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
-            if p.is_alive():
-                p.kill()
-                p.join()
-        shutil.rmtree(tmp, ignore_errors=True)
-    if len(got) < world:
-        raise AssertionError(f"only ranks {sorted(got)} reported back within {deadline} s")
-    return {page: [got[r][page] for r in range(world)] for page, _ in pages}
+        del sys.modules[module.__name__]
+
+
+def main(*args: Any) -> None:
+    """The ranks' entry point: every name given is a page, run as a scenario."""
+    for page in args[2]:
+        SCENARIOS[page] = lambda rank, page=page: run_page(page)
+    _main(*args)
+
+
+def run_on_ranks(pages: list[str]) -> dict[str, list[Any]]:
+    """``{page: [rank 0's result, rank 1's]}``: ``None``, or ``("raised", ..., traceback)``."""
+    return spawn(pages, target=main, pg_timeout=30.0, deadline=300.0)

@@ -15,8 +15,6 @@ import ast
 import inspect
 import re
 import sys
-import types
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,60 +22,11 @@ import torch.distributed as dist
 
 import freplicate as fr
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helpers by name
+from _docs_ranks import ROOT, blocks, run_on_ranks, run_page, runnable
+
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 COLLECTIVE = ["docs/distributed.md", "docs/frozen_parameters.md", "docs/uneven_inputs.md"]
-
-_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
-_NOT_RUN = re.compile(r"^\s*<!--\s*not run:(?P<why>.*?)-->\s*$")
-
-
-@dataclass
-class Block:
-    page: str
-    line: int  # of the opening fence, from 1
-    lang: str
-    code: str
-    not_run: str | None  # the marker's reason, "" for a marker without one
-
-    @property
-    def where(self) -> str:
-        return f"{self.page}:{self.line}"
-
-
-def blocks(page: str) -> list[Block]:
-    lines = (ROOT / page).read_text().splitlines()
-    found: list[Block] = []
-    i = 0
-    while i < len(lines):
-        m = _FENCE.match(lines[i])
-        if not m:
-            i += 1
-            continue
-        indent, fence = m["indent"], m["fence"]
-        end = i + 1
-        while end < len(lines) and not re.match(rf"^\s*{re.escape(fence)}\s*$", lines[end]):
-            end += 1
-        body = [
-            line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end]
-        ]
-        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker = _NOT_RUN.match(before)
-        found.append(
-            Block(
-                page=page,
-                line=i + 1,
-                lang=m["info"].strip().split(" ")[0],
-                code="\n".join(body) + "\n",
-                not_run=marker["why"].strip() if marker else None,
-            )
-        )
-        i = end + 1
-    return found
-
-
-def runnable(page: str) -> list[Block]:
-    return [b for b in blocks(page) if b.lang == "python" and b.not_run is None]
 
 
 def test_the_pages_are_found() -> None:
@@ -96,27 +45,18 @@ def test_every_block_names_its_language_and_every_marker_its_reason(page: str) -
 
 
 @pytest.mark.parametrize("page", [p for p in PAGES if p not in COLLECTIVE and runnable(p)])
-def test_page_runs(page: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the page runs as a module of its own, as a script would: torch.compile looks its
-    # functions' module up in sys.modules
-    module = types.ModuleType("docs_page_" + re.sub(r"\W", "_", page))
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    for b in runnable(page):
-        exec(compile(b.code, b.where, "exec"), module.__dict__)
+def test_page_runs(page: str) -> None:
+    run_page(page)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_collective_pages_run_on_two_ranks() -> None:
-    sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the helper by name
-    import _docs_ranks
-
-    pages = [(page, [(b.where, b.code) for b in runnable(page)]) for page in COLLECTIVE]
-    assert all(code for _, code in pages), "a collective page without code to run"
+    assert all(runnable(page) for page in COLLECTIVE), "a collective page without code to run"
     failed = {
-        f"{page} on rank {rank}": tb
-        for page, tbs in _docs_ranks.run_on_ranks(pages).items()
-        for rank, tb in enumerate(tbs)
-        if tb is not None
+        f"{page} on rank {rank}": result[3]
+        for page, results in run_on_ranks(COLLECTIVE).items()
+        for rank, result in enumerate(results)
+        if result is not None
     }
     assert not failed, "\n".join(f"{k}:\n{tb}" for k, tb in failed.items())
 
