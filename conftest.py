@@ -10,3 +10,9 @@ import freplicate as fr
 @pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace: dict) -> None:
     doctest_namespace.update(torch=torch, nn=nn, fr=fr)
+
+
+# The helper modules beside the tests (rank-side workers, oracles) hold no doctests, and
+# some import their siblings by name, which only the spawned ranks put on sys.path:
+# --doctest-modules must not import them.
+collect_ignore_glob = ["tests/_*.py", "property_tests/_*.py"]
