@@ -6,6 +6,7 @@ function is collective: all ranks call it, in the same order. The code lives
 in the private package ``freplicate/_distributed/``; this module only publishes it.
 """
 
+from ._distributed import Step as Step
 from ._distributed import all_reduce as all_reduce
 from ._distributed import broadcast as broadcast
 from ._distributed import grad_and_value as grad_and_value
@@ -13,6 +14,7 @@ from ._distributed import join as join
 from ._distributed import sync_buffers as sync_buffers
 
 __all__ = [
+    "Step",
     "all_reduce",
     "broadcast",
     "grad_and_value",

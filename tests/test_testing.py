@@ -230,7 +230,8 @@ def test_without_hypothesis_the_import_error_says_what_to_install(monkeypatch):
     monkeypatch.delattr(fr, "testing", raising=False)
     monkeypatch.setitem(sys.modules, "hypothesis", None)  # what an absent package looks like
     expected = re.escape(
-        "fr.testing needs the optional 'hypothesis' dependency: pip install 'freplicate[testing]'"
+        "fr.testing needs the optional 'hypothesis' dependency: pip install hypothesis "
+        "(or, from a clone of the repository, pip install -e '.[testing]')"
     )
     with pytest.raises(ImportError, match=expected):
         importlib.import_module("freplicate.testing")

@@ -7,7 +7,7 @@ runs a module through ``fr.data_parallel`` and through PyTorch's stateful
 DataParallel path on the same inputs and compares outputs, gradients and
 buffers; ``init_loopback_group``, a gloo group for multi-process tests on
 one machine that talks over loopback only. Needs the optional ``hypothesis`` dependency
-(``pip install 'freplicate[testing]'``). Like a user's code, it relies only
+(from a clone of the repository: ``pip install -e '.[testing]'``, or ``pip install hypothesis``). Like a user's code, it relies only
 on the public face of ``freplicate``.
 
 >>> import freplicate as fr
@@ -18,7 +18,8 @@ try:
     import hypothesis as _hypothesis  # noqa: F401
 except ImportError as err:
     raise ImportError(
-        "fr.testing needs the optional 'hypothesis' dependency: pip install 'freplicate[testing]'"
+        "fr.testing needs the optional 'hypothesis' dependency: pip install hypothesis "
+        "(or, from a clone of the repository, pip install -e '.[testing]')"
     ) from err
 
 from ._assertions import assert_trees_close as assert_trees_close
