@@ -154,6 +154,12 @@ def test_a_rank_retracing_alone_stays_in_step(job) -> None:
         close(r["compiled"], r["eager"], rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_skip_meets_the_compiled_step(job) -> None:
+    for compiled, eager in ok(job, "skip_compiled"):
+        close(compiled, eager, rtol=0, atol=0)
+        close(compiled[0], {"w": torch.arange(3.0) / 2}, rtol=0, atol=0)
+
+
 def test_compiled_collectives_equal_eager_bitwise(job) -> None:
     for r in ok(job, "collectives_compiled"):
         close(r["compiled"], r["eager"], rtol=0, atol=0)
@@ -163,7 +169,7 @@ def test_compiled_collectives_equal_eager_bitwise(job) -> None:
 def test_mismatch_raises_on_every_rank_when_traced(job) -> None:
     for message, seconds in ok(job, "mismatch_compiled"):
         assert re.search(
-            r"fr.distributed.all_reduce: the tensor at \['w'\] differs across ranks: shape \(\d,\)",
+            r"fr.distributed.all_reduce: the tensor at \['m'\] differs across ranks: shape \(\d,\)",
             message,
         ), message
         assert "checked when torch.compile traced this call" in message

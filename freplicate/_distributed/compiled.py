@@ -9,9 +9,10 @@ collectives (``torch.distributed._functional_collectives``, the ops
 has no public successor yet): the tree flattened, its tensors packed per
 (device, dtype) into the eager path's buckets (``torch.cat``), one
 collective per bucket, every bucket issued before the first is waited on,
-then split and viewed back. Inductor sees plain tensor ops and collectives,
-and may move a bucket's collective up to where its gradients are computed
-(``torch._inductor.config.reorder_for_compute_comm_overlap``).
+then split and viewed back. Inductor orders its generated code by
+dependencies, so each bucket's collective is issued as soon as its
+gradients are computed, amid the rest of the backward pass (DDP's overlap,
+without hooks), and the waits come after the last one.
 
 The cross-rank layout check runs once per trace, outside the graph: a
 function marked ``torch.compiler.assume_constant_result`` runs for real
@@ -51,7 +52,7 @@ from .._typing import Compress, Op, TensorTree
 from .group import check_src, world_size
 from .plan import _FIRST_BUCKET_BYTES, COMPRESS
 
-__all__ = ["all_reduce", "broadcast", "grad_and_value", "sync_buffers"]
+__all__ = ["all_reduce", "broadcast", "grad_and_value", "skip", "sync_buffers"]
 
 try:  # the traceable collectives and the lookups the layout check needs (private torch APIs)
     import torch.distributed._functional_collectives as _fc
@@ -199,10 +200,8 @@ def grad_and_value(
 
     ``local`` is the ``fr.grad_and_value`` of the user's function, which
     traces as ``torch.func.grad_and_value``; its gradients go through
-    ``all_reduce``'s buckets, in the same graph. There are no hooks to fire
-    collectives mid-backward: the graph's order puts every collective after
-    the backward, and Inductor's comm/compute reordering, where enabled, may
-    raise each one to where its bucket's gradients are ready.
+    ``all_reduce``'s buckets, in the same graph, where each bucket's
+    collective depends on its own gradients only (see the module's text).
     """
     grads, value = local(*args, **kwargs)
     if not -len(args) <= argnums < len(args):
@@ -219,7 +218,41 @@ def grad_and_value(
     return reduced, value
 
 
+def skip(
+    tree: TensorTree,
+    *,
+    op: Op,
+    group: Any,
+    bucket_cap_mb: float,
+    compress: Compress,
+    check: bool,
+    caller: str = "fr.distributed.grad_and_value",
+) -> tuple[Any, None]:
+    """``Step.skip`` as Dynamo traces it: zeros through the same buckets as the peers' step.
+
+    The zeros have the gradients' layout (the tree's), so the layout check
+    and the buckets match the peers' compiled ``step(...)``; with
+    ``op="mean"`` the result is their sum divided by the world size, as the
+    eager ``skip`` gives.
+    """
+    zeros = optree.tree_map(_zeros, tree, namespace=NAMESPACE)
+    reduced = all_reduce(
+        zeros,
+        op=op,
+        group=group,
+        bucket_cap_mb=bucket_cap_mb,
+        compress=compress,
+        check=check,
+        caller=caller,
+    )
+    return reduced, None
+
+
 # --- traced helpers ---------------------------------------------------------------------
+
+
+def _zeros(x: Any) -> Any:
+    return torch.zeros_like(x) if isinstance(x, torch.Tensor) else x
 
 
 def _if_floating(x: Any) -> Any:

@@ -428,6 +428,15 @@ def grad_and_value(
                 f"{caller}: skip(*args) needs the differentiated argument args[{argnums}] "
                 f"(argnums={argnums}), got {len(args)} positional argument(s)"
             )
+        if weight is None and is_compiling():  # the same buckets as the peers' compiled step
+            return compiled.skip(
+                args[argnums % len(args)],
+                op=op,
+                group=group,
+                bucket_cap_mb=bucket_cap_mb,
+                compress=compress,
+                check=check,
+            )
         return skipped(args[argnums % len(args)])
 
     def skipped(tree: Any) -> tuple[Any, None]:
