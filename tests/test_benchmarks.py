@@ -122,7 +122,7 @@ def test_an_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[
     assert captured.out == ""
     assert captured.err.splitlines() == [
         "freplicate bench: error: unknown benchmark 'nonesuch'; "
-        "choose from core, parallel, distributed"
+        "choose from core, parallel, distributed, compile"
     ]
 
 
