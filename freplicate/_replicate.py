@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any, TypeVar
 
 import torch
@@ -34,6 +35,7 @@ T = TypeVar("T")
 _new_tuple = tuple.__new__  # a NamedTuple without its Python-level __new__
 _DETACH = torch.Tensor.detach
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_DEVICE = operator.attrgetter("device")
 
 
 def replicate(tree: T, devices: Sequence[DeviceSpec], *, detach: bool = False) -> list[T]:
@@ -182,19 +184,17 @@ def _local_state(
     params, buffers = state
     if type(params) is not dict or type(buffers) is not dict:
         return None
-    where = set()
-    for part in (params, buffers):
-        for t in part.values():
-            if not isinstance(t, torch.Tensor):
-                return None
-            where.add(t.device)
+    values = [*params.values(), *buffers.values()]
+    if not all(map(isinstance, values, repeat(torch.Tensor))):
+        return None
+    where = set(map(_DEVICE, values))
     if len(where) > 1 or (where and any(d not in where for d in devs)):
         return None
     if not own and not detach:
         return [_new_tuple(State, (dict(params), dict(buffers))) for _ in devs]
     pv, bv = list(params.values()), list(buffers.values())
-    alias = _aliaser(pv + bv, detach)
-    if len(set(map(id, pv + bv))) == len(pv) + len(bv):  # no tied tensors
+    alias = _aliaser(values, detach)
+    if len(set(map(id, values))) == len(values):  # no tied tensors
         pk, bk = list(params), list(buffers)
         return [
             _new_tuple(State, (dict(zip(pk, map(alias, pv))), dict(zip(bk, map(alias, bv)))))
