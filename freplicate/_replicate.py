@@ -185,9 +185,14 @@ def _local_state(
     if type(params) is not dict or type(buffers) is not dict:
         return None
     values = [*params.values(), *buffers.values()]
-    if not all(map(isinstance, values, repeat(torch.Tensor))):
-        return None
-    where = set(map(_DEVICE, values))
+    if is_compiling():  # Dynamo traces comprehensions, not attrgetter
+        if not all(isinstance(t, torch.Tensor) for t in values):
+            return None
+        where = {t.device for t in values}
+    else:
+        if not all(map(isinstance, values, repeat(torch.Tensor))):
+            return None
+        where = set(map(_DEVICE, values))
     if len(where) > 1 or (where and any(d not in where for d in devs)):
         return None
     if not own and not detach:
