@@ -200,8 +200,9 @@ def data_parallel_grad(
     ``devices[0]``. With equal shards and a loss that is a mean over the
     batch, ``grads`` and ``loss`` equal the full-batch ones; with unequal
     shards, each replica's mean counts as much as the others' (as in DDP).
-    The mean divides before it sums in float16 and bfloat16, as DDP does, so
-    a mean whose sum would overflow the dtype stays finite.
+    The mean sums float16 and bfloat16 gradients in float64 and rounds once,
+    so a mean whose sum would overflow the dtype stays finite (and is the
+    correctly rounded mean).
 
     **Frozen parameters, buffers, constants.** ``replicated=k`` says that the
     ``k`` arguments after ``params`` are replicated onto every device as

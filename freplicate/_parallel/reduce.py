@@ -20,10 +20,11 @@ __all__ = ["all_reduce", "reduce_lists"]
 _LAYOUT = operator.attrgetter("layout")
 _DTYPE = operator.attrgetter("dtype")
 _DENSE = {torch.strided}
-# A mean in these dtypes divides every operand before it sums, as DDP (and
-# fr.distributed) do: n values near the dtype's largest would overflow their sum
-# (float16 tops out at 65504), and for n a power of two the result is the same.
-_DIVIDE_FIRST = frozenset({torch.float16, torch.bfloat16})
+# A mean in these dtypes sums in float64 and rounds once at the end: n values
+# near the dtype's largest would overflow a sum in the dtype (float16 tops out
+# at 65504; bfloat16 shares float32's range, so float32 is no wider), and
+# dividing each operand first (as DDP does across ranks) rounds n times.
+_WIDEN = frozenset({torch.float16, torch.bfloat16})
 
 
 def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
@@ -145,7 +146,7 @@ def reduce_lists(
 
     Dense tensors are summed coalesced, per target device; sparse ones (the
     gradients of ``nn.Embedding(sparse=True)``) one by one, staying sparse.
-    A mean divides before it sums in float16 and bfloat16 (``_DIVIDE_FIRST``).
+    A mean in float16 and bfloat16 sums in float64 and rounds once (``_WIDEN``).
     """
     if is_compiling():
         return _traced(lists, targets, op)
@@ -164,37 +165,27 @@ def reduce_lists(
         idx = [positions[w] for w in where]
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
-        first: list[int] = []  # positions divided before the sum
-        if op == "mean" and n > 1 and not _DIVIDE_FIRST.isdisjoint(map(_DTYPE, group[0])):
-            first = [i for i, t in enumerate(group[0]) if t.dtype in _DIVIDE_FIRST]
+        widened: list[tuple[int, torch.dtype]] = []  # positions summed in float64
+        if op == "mean" and n > 1 and not _WIDEN.isdisjoint(map(_DTYPE, group[0])):
+            widened = [(i, t.dtype) for i, t in enumerate(group[0]) if t.dtype in _WIDEN]
             for lst in group:
-                for i, t in zip(first, _divided([lst[i] for i in first], n)):
-                    lst[i] = t
+                for i, _ in widened:
+                    lst[i] = lst[i].double()
         sums = _pack.reduce_add_coalesced(
             group, dev, paths=paths if every else [paths[k] for k in idx], caller=caller
         )
         if op == "mean":
-            done = set(first)
-            later = [i for i in range(len(sums)) if i not in done] if first else None
             if transform_level() is None and not any(s.requires_grad for s in sums):
                 # the sums are fresh buffers of ours, never an input: divide in place
-                rest = sums if later is None else [sums[i] for i in later]
-                if rest:
-                    torch._foreach_div_(rest, n)
+                torch._foreach_div_(sums, n)
             else:
                 # autograd or a torch.func transform (foreach ops have no batching rules)
-                for i in range(len(sums)) if later is None else later:
-                    sums[i] = sums[i] / n
+                sums = [t / n for t in sums]
+            for i, dtype in widened:
+                sums[i] = sums[i].to(dtype)
         for k, s in zip(idx, sums):
             out[k] = s
     return out
-
-
-def _divided(tensors: list[torch.Tensor], n: int) -> list[torch.Tensor]:
-    """``t / n`` for every tensor: one fused pass outside autograd and transforms."""
-    if transform_level() is None and not any(t.requires_grad for t in tensors):
-        return list(torch._foreach_div(tensors, n))
-    return [t / n for t in tensors]
 
 
 def _traced(
@@ -208,11 +199,14 @@ def _traced(
     out = []
     for k, target in enumerate(targets):
         parts = [lst[k].to(target) for lst in lists]
-        first = op == "mean" and parts[0].dtype in _DIVIDE_FIRST
-        if first:
-            parts = [p / n for p in parts]
-        total = parts[0] if n > 1 or first else parts[0].clone()
+        dtype = parts[0].dtype
+        widen = op == "mean" and n > 1 and dtype in _WIDEN
+        if widen:
+            parts = [p.double() for p in parts]
+        total = parts[0] if n > 1 else parts[0].clone()
         for p in parts[1:]:
             total = total + p
-        out.append(total / n if op == "mean" and not first else total)
+        if op == "mean":
+            total = total / n
+        out.append(total.to(dtype) if widen else total)
     return out
