@@ -199,7 +199,10 @@ def _local_state(
         return [_new_tuple(State, (dict(params), dict(buffers))) for _ in devs]
     pv, bv = list(params.values()), list(buffers.values())
     alias = _aliaser(values, detach)
-    if len(set(map(id, values))) == len(values):  # no tied tensors
+    # no tied tensors; or compiling, where id() would make Dynamo guard on each tensor's
+    # identity (a recompile every step): tied names then get aliases of their own, which
+    # nothing in a graph can tell apart
+    if is_compiling() or len(set(map(id, values))) == len(values):
         pk, bk = list(params), list(buffers)
         return [
             _new_tuple(State, (dict(zip(pk, map(alias, pv))), dict(zip(bk, map(alias, bv)))))

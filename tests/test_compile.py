@@ -176,3 +176,34 @@ def test_mismatch_raises_on_every_rank_when_traced(job) -> None:
         assert seconds < 30  # found by comparing layouts, not by a timeout
     for v in ok(job, "same_layout_after_mismatch"):
         torch.testing.assert_close(v, torch.ones(3))
+
+
+def test_a_compiled_data_parallel_grad_step_compiles_once() -> None:
+    # id() on an input tensor (tie detection in replicate) made Dynamo guard on every
+    # parameter's identity: each step's new parameters recompiled the step
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    params = fr.state(model).params
+    x, y = torch.randn(6, 4), torch.randint(0, 3, (6,))
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(model, fr.State(p, {}), x)[0], y)
+
+    grad = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"])
+
+    def step(p: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        g, _ = grad(p, x, y)
+        return {k: v - 0.1 * g[k] for k, v in p.items()}
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(step, backend="aot_eager")
+    eager = params
+    for _ in range(3):
+        params = compiled(params)
+        eager = step(eager)
+    assert counters["frames"]["ok"] == 1
+    for k in params:
+        torch.testing.assert_close(params[k], eager[k])
