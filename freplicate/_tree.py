@@ -148,9 +148,9 @@ def alias_groups(leaves: Sequence[Any]) -> tuple[list[int], list[int]]:
     if torch.compiler.is_compiling():
         # id() would make Dynamo guard on every tensor's identity (a recompile each step);
         # in a graph a tied tensor moved twice is the same values, and nothing tells them apart
-        unique = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        at = {i: k for k, i in enumerate(unique)}
-        return unique, [at.get(i, -1) for i in range(n)]
+        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        at = {i: k for k, i in enumerate(tensors)}
+        return tensors, [at.get(i, -1) for i in range(n)]
     if len(set(map(id, leaves))) == n and all(map(isinstance, leaves, repeat(torch.Tensor, n))):
         # the common case (distinct tensors only), decided at C speed
         return list(range(n)), list(range(n))
