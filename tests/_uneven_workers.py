@@ -16,7 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist_workers import WORLD, Net, SparseNet, _main, dense, gather_all, scenario, spawn
+from _dist_workers import (
+    WORLD,
+    Net,
+    SparseNet,
+    _main,
+    dense,
+    gather_all,
+    scenario,
+    snapshot,
+    spawn,
+    unchanged,
+)
 from torch import nn
 
 import freplicate as fr
@@ -139,21 +150,27 @@ def join_weighted(rank: int) -> dict[str, Any]:
     local = fr.grad_and_value(loss_fn)
     pairs = []
     mine = (batch(rank, i, rows[rank]) for i in range(counts[rank]))
+    kept = True  # no input's values or _version change (skip's zeros, the weights' scaling)
     for i, b in enumerate(fr.distributed.join(mine)):
+        snap = snapshot((params, b))
         grads, _ = step.skip(params) if b is None else step(params, *b)
+        kept = kept and unchanged((params, b), snap)
         union = [batch(r, i, rows[r]) for r in range(WORLD) if i < counts[r]]
         xs, ys = (torch.cat(parts) for parts in zip(*union))
         pairs.append((grads, local(params, xs, ys)[0]))
         params = sgd(params, grads)
     everyone = gather_all(params)
     tree = {"v": torch.full((3,), rank + 1.0), "w": torch.full((2, 2), 10.0 * rank)}
-    return {
+    snap = snapshot(tree)
+    out = {
         "pairs": pairs,
         "same": all(torch.equal(everyone[0][k], everyone[1][k]) for k in params),
         "weighted": fr.distributed.all_reduce(tree, weight=[3, 1][rank]),
         "zero_weights": fr.distributed.all_reduce(tree, weight=0),
         "mean": fr.distributed.all_reduce(tree),
     }
+    out["inputs_unchanged"] = kept and unchanged(tree, snap)
+    return out
 
 
 @scenario
@@ -326,13 +343,17 @@ def weighted_corners(rank: int) -> dict[str, Any]:
     local = fr.grad_and_value(loss_fn)
     params = fr.state(model).params
     micro = micro_of(rank, 7)
+    inputs_snap = snapshot((params, micro))
     grads, _ = fr.distributed.grad_and_value(loss_fn, compress="bf16").accumulate(params, micro)
+    kept = unchanged((params, micro), inputs_snap)
     mine = [local(params, *b)[0] for b in micro]
     total = {k: sum((g[k] for g in mine), torch.zeros_like(v)) for k, v in params.items()}
     tree = {"v": torch.full((5,), rank + 1.0), "w": torch.randn(3, 3) * (rank + 1)}
     w = [3, 1][rank]
     e = torch.sparse_coo_tensor(torch.tensor([[rank, 3]]), torch.full((2, 2), rank + 1.0), (5, 2))
-    return {
+    e = e.coalesce()  # coalesce() of a coalesced tensor is itself: its values are the input's
+    tree_snap, e_snap = snapshot(tree), (e.values()._version, e.values().clone())
+    out = {
         "accumulated_bf16": (grads, fr.distributed.all_reduce(total)),
         "weighted_bf16": (
             fr.distributed.all_reduce(tree, weight=w, compress="bf16"),
@@ -342,6 +363,13 @@ def weighted_corners(rank: int) -> dict[str, Any]:
         "sparse_mixed": dense(fr.distributed.all_reduce({"e": e, "v": tree["v"]}, weight=w)),
         "everyone": [dense(t) for t in gather_all({"e": e, "v": tree["v"]})],
     }
+    out["inputs_unchanged"] = (
+        kept
+        and unchanged(tree, tree_snap)
+        and e.values()._version == e_snap[0]
+        and torch.equal(e.values(), e_snap[1])
+    )
+    return out
 
 
 @scenario

@@ -78,6 +78,7 @@ def test_join_rides_on_the_steps_reduction(job):
 def test_weighted_mean_is_the_full_batch_gradient(job):
     results = ok(job, "join_weighted")
     for r in results:
+        assert r["inputs_unchanged"]
         assert len(r["pairs"]) == 5
         for got, want in r["pairs"]:
             close(got, want, rtol=1e-5, atol=1e-6)
@@ -182,6 +183,7 @@ def test_a_micro_batch_failing_on_one_rank_raises_on_every_rank(job):
 
 def test_compressed_and_sparse_weighted_means(job):
     for r in ok(job, "weighted_corners"):
+        assert r["inputs_unchanged"]
         close(*r["accumulated_bf16"], rtol=2e-2, atol=2e-3)
         close(*r["weighted_bf16"], rtol=2e-2, atol=2e-2)
         a, b = r["everyone"]
