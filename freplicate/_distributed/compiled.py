@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from .._caches import register
 from .._checks import check_choice, check_int, check_mean
-from .._pack import buckets, check_packable, group_by
+from .._pack import buckets, check_packable, group_by, layout_of, pack, unpack
 from .._tree import NAMESPACE, path_str
 from .._typing import Compress, Op, TensorTree
 from .group import check_src, world_size
@@ -305,8 +305,7 @@ def _raise_if(plan: tuple[Any, ...]) -> None:
 
 def _pack(leaves: Sequence[Any], members: Sequence[int], comm: torch.dtype, div: int) -> Any:
     """One bucket's flat buffer: its leaves concatenated, divided, in the dtype it travels in."""
-    parts = [leaves[i].reshape(-1) for i in members]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    flat = pack([leaves[i] for i in members])
     if div != 1:
         flat = flat / div  # before the sum, as the eager path and DDP do
     if flat.is_complex():
@@ -321,9 +320,8 @@ def _unpack(flat: Any, leaves: Sequence[Any], members: Sequence[int], out: list[
         flat = torch.view_as_complex(flat.view(-1, 2))
     elif flat.dtype != first.dtype:
         flat = flat.to(first.dtype)
-    pieces = flat.split([leaves[i].numel() for i in members]) if len(members) > 1 else [flat]
-    for i, piece in zip(members, pieces):
-        out[i] = piece.view(leaves[i].shape)
+    for i, piece in zip(members, unpack(flat, layout_of([leaves[i] for i in members]))):
+        out[i] = piece
 
 
 def _realias(out: list[Any], leaves: Sequence[Any]) -> None:
