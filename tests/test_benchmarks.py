@@ -109,6 +109,17 @@ def test_the_tables_are_aligned_with_times_ratios_and_targets(
                 assert status == ("met" if ratio <= limit else "missed"), row
 
 
+@pytest.mark.parametrize(
+    ("ratio", "status"), [(1.0996, "met"), (1.1004, "met"), (1.1005, "missed"), (1.2, "missed")]
+)
+def test_a_row_is_judged_on_the_ratio_it_prints(ratio: float, status: str) -> None:
+    # CI once printed "1.100  <= 1.10  missed": a ratio of 1.1004 judged unrounded
+    from benchmarks._report import Row
+
+    row = Row("core", "fr.apply / module(x)", "many_small", 1.0, 1.0, ratio, target=1.10)
+    assert row.status == status
+
+
 def test_the_plot_is_written(quick_bench: tuple[str, Path]) -> None:
     out, where = quick_bench
     png = where / "ratios.png"
