@@ -1,8 +1,8 @@
 """The benchmark models and the measuring method shared by every benchmark.
 
 See ../shared/BENCHMARKS.md: three models (``many_small``, ``small_mlp``,
-``mid_mlp``), ``torch.set_num_threads(1)``, interleaved A/B pairs with the
-order alternated, the median of per-pair ratios.
+``mid_mlp``), ``torch.set_num_threads(1)``, interleaved rounds in balanced
+orders (A B, B A for two sides), the median of per-round ratios.
 """
 
 from __future__ import annotations
@@ -76,22 +76,62 @@ class Rounds:
         return statistics.median(t[i] for t in self.times)
 
 
+def orders(n: int) -> list[list[int]]:
+    """One cycle of round orders for ``n`` sides: a Williams (balanced Latin square) design.
+
+    Over the cycle every side runs in every position equally often, and
+    right after every other side equally often. A rotation (A B C, B C A,
+    C A B) puts each side after the same other one in every round, and a
+    side that runs right after the stateful step finds the caches and the
+    allocator as that step left them (a 5% bias measured on small_mlp);
+    permutations in lexicographic order put side 0 first for (n-1)! rounds.
+    For two sides this is the A B, B A alternation of BENCHMARKS.md.
+
+    >>> orders(2)
+    [[0, 1], [1, 0]]
+    >>> orders(4)[0], len(orders(3))
+    ([0, 1, 3, 2], 6)
+    """
+    base = [0 if k == 0 else (k + 1) // 2 if k % 2 else n - k // 2 for k in range(n)]
+    rows = [[(b + r) % n for b in base] for r in range(n)]
+    return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
+
+
+def balanced(measure: Callable[[int], float], n: int, rounds: int, warmup: int) -> list[list[float]]:
+    """``measure(i)`` of each of ``n`` sides every round, in the orders of :func:`orders`.
+
+    Returns ``times[r][i]``, side ``i``'s figure in round ``r``.
+    """
+    for _ in range(warmup):
+        for i in range(n):
+            measure(i)
+    cycle = orders(n)
+    times = []
+    for r in range(rounds):
+        t = [0.0] * n
+        for i in cycle[r % len(cycle)]:
+            t[i] = measure(i)
+        times.append(t)
+    return times
+
+
 def interleave(
     candidates: Sequence[Callable[[], object]], *, pairs: int = 30, warmup: int = 3
 ) -> Rounds:
-    """Time every candidate once a round, rotating which goes first (A B C, B C A, ...)."""
-    n = len(candidates)
+    """Time every candidate once a round, in balanced orders (:func:`orders`).
+
+    Minor page faults are counted around each call, outside its timing.
+    """
+    faults = [0] * len(candidates)
+
+    def measure(i: int) -> float:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t = timed(candidates[i])
+        faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        return t
+
     for _ in range(warmup):
         for fn in candidates:
             fn()
-    times = []
-    faults = [0] * n
-    for r in range(pairs):
-        t = [0.0] * n
-        for k in range(n):
-            i = (r + k) % n
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            t[i] = timed(candidates[i])
-            faults[i] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        times.append(t)
+    times = balanced(measure, len(candidates), pairs, warmup=0)
     return Rounds(times, [f / pairs for f in faults])

@@ -22,8 +22,9 @@ slowest rank's median over a round's steps. Before timing, every side
 trains a few steps from the same init and must reach DDP's parameters.
 
 Step times come from rounds that run every side once (a few steps each on
-2 ranks), each round in a new order (``shuffled``: permutations, not a
-rotation); a ratio is the median over rounds of the per-round ratio.
+2 ranks), the rounds in balanced orders (``_common.orders``: every side
+after every other equally often, not a rotation); a ratio is the median
+over rounds of the per-round ratio.
 
 Run: ``.venv/bin/python -m benchmarks.bench_compile`` (``--quick`` for a
 smoke run on small_mlp; ``--part one`` or ``--part two`` for half of it).
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import os
 import shutil
 import statistics
@@ -50,7 +50,7 @@ from torch import nn
 import freplicate as fr
 from freplicate.testing import init_loopback_group
 
-from ._common import MODELS, Rounds, build, timed
+from ._common import MODELS, Rounds, balanced, build, timed
 from ._report import Row, show
 from .bench_distributed import _agree, _round_times, _stateful_side
 
@@ -139,27 +139,6 @@ def cold_compile(step: Step, model: nn.Module, **options: Any) -> tuple[Step, fl
     return compiled, seconds
 
 
-def shuffled(measure: Callable[[int], float], n: int, rounds: int, warmup: int) -> Rounds:
-    """``measure(i)`` of each of ``n`` sides every round, the order a new permutation each round.
-
-    A rotation (A B C, B C A, C A B) puts every side after the same other
-    side in every round, and a side that runs after the stateful step finds
-    the caches and the allocator as that step left them: measured here, a 5%
-    bias on small_mlp. Permutations give every side every predecessor.
-    """
-    orders = list(itertools.permutations(range(n)))
-    for _ in range(warmup):
-        for i in range(n):
-            measure(i)
-    times = []
-    for r in range(rounds):
-        t = [0.0] * n
-        for i in orders[r % len(orders)]:
-            t[i] = measure(i)
-        times.append(t)
-    return Rounds(times, [])
-
-
 def warm_up() -> None:
     """Pay the process's one-time compile costs (imports, Inductor's worker pool, the CPU
     feature probe) on a throwaway step, so that no measured compile carries them."""
@@ -206,7 +185,7 @@ def one_process(name: str, pairs: int, warmup: int, repeats: int) -> list[Row]:
             finals[label] = side()
     _check(finals, "stateful", f"{name}, one process")
     sides = [trainer(c, model) for c in compiled] + [stateful_side(model, x, y)]
-    t = shuffled(lambda i: timed(sides[i]), len(sides), pairs, warmup)
+    t = Rounds(balanced(lambda i: timed(sides[i]), len(sides), pairs, warmup), [])
     sides.clear()  # free the compiled steps before compiling again
     del compiled
     seconds = [first] + [compile_pair(r)[1] for r in range(1, repeats)]
@@ -292,7 +271,7 @@ def _two_rank_model(name: str, rounds: int, steps: int) -> tuple[Any, list[float
         trainer(fr_plain, model),
         trainer(fr_overlap, model),
     ]
-    t = shuffled(lambda i: _round_times(sides[i], steps), len(sides), rounds, 2)
+    t = Rounds(balanced(lambda i: _round_times(sides[i], steps), len(sides), rounds, 2), [])
     compile_s = torch.tensor([ddp_s, fr_s, overlap_s], dtype=torch.float64)
     dist.all_reduce(compile_s, op=dist.ReduceOp.MAX)
     return t, compile_s.tolist()

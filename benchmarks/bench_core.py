@@ -2,7 +2,7 @@
 
 For each benchmark model (../shared/BENCHMARKS.md), three groups of sides,
 each group timed in one interleaved run (every round runs every side, the
-order rotated; a ratio is the median over rounds of the per-round ratio):
+orders balanced, ``_common.orders``; a ratio is the median over rounds of the per-round ratio):
 
 - forward, under ``torch.no_grad()``: ``module(x)`` (the baseline, 1.00),
   ``fr.apply(module, state, x)``, ``torch.func.functional_call``;

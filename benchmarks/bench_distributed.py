@@ -5,8 +5,9 @@ short run). Two ranks are spawned on 127.0.0.1, one thread each, rank r
 pinned to core r (``--no-pin`` leaves placement to the OS: the ranks and
 gloo's threads then migrate between the two cores, and the small-model rows
 swing by up to 30% from run to run, DDP's own composable ``replicate`` too).
-Every round runs every side for a few steps, the sides in an order rotated
-round by round (the same order on both ranks: they are collective); a step's time is
+Every round runs every side for a few steps, the sides in balanced orders
+(``_common.orders``: every side after every other equally often; the same
+order on both ranks: they are collective); a step's time is
 the slowest rank's (per-step times all-reduced with MAX after the round);
 each side's time in a round is its median step, and the figure is the
 median over rounds of the per-round ratio to the baseline (DDP, or one flat
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 import freplicate as fr
 from freplicate.testing import init_loopback_group
 
-from ._common import MODELS, Rounds, build
+from ._common import MODELS, Rounds, balanced, build
 from ._report import Row, show
 
 NAME = "distributed"
@@ -148,18 +149,10 @@ def _round_times(fn: Callable[[], Any], steps: int) -> float:
 
 
 def _rounds(sides: list[Callable[[], Any]], rounds: int, steps: int) -> Rounds:
-    """Every side's time in every round (its median step, the slowest rank's), order rotated."""
-    for fn in sides:  # warm-up: plans, buffers, allocator, gloo pairs
-        for _ in range(2):
-            fn()
-    n = len(sides)
-    times = []
-    for r in range(rounds):
-        t = [0.0] * n
-        for k in range(n):
-            i = (r + k) % n
-            t[i] = _round_times(sides[i], steps)
-        times.append(t)
+    """Every side's time in every round (its median step, the slowest rank's), in balanced
+    orders (the same on both ranks)."""
+    # warm-up: plans, buffers, allocator, gloo pairs
+    times = balanced(lambda i: _round_times(sides[i], steps), len(sides), rounds, warmup=2)
     return Rounds(times, [])
 
 

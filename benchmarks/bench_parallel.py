@@ -15,7 +15,7 @@ Before timing, each side runs three SGD steps from the same initial
 parameters and must end with the same parameters. On a machine with CUDA,
 ``fr.data_parallel`` is also timed against ``nn.DataParallel`` (forward and
 backward on every GPU). Ratios are the median over interleaved rounds with
-the order rotated (``_common.interleave``); lower is faster.
+balanced orders (``_common.interleave``); lower is faster.
 
 Run: ``.venv/bin/python -m benchmarks.bench_parallel`` (``--quick`` for a
 smoke run).

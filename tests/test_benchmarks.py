@@ -120,6 +120,25 @@ def test_a_row_is_judged_on_the_ratio_it_prints(ratio: float, status: str) -> No
     assert row.status == status
 
 
+@pytest.mark.parametrize("n", range(1, 8))
+def test_round_orders_are_balanced(n: int) -> None:
+    # a rotation put each side right after the same other side every round (a
+    # 5% bias on small_mlp); lexicographic permutations put side 0 first for
+    # (n-1)! rounds
+    from collections import Counter
+
+    from benchmarks._common import orders
+
+    cycle = orders(n)
+    assert all(sorted(row) == list(range(n)) for row in cycle)
+    for position in range(n):
+        assert len(Counter(row[position] for row in cycle)) == n  # every side in every place
+        assert len(set(Counter(row[position] for row in cycle).values())) == 1
+    after = Counter((a, b) for row in cycle for a, b in itertools.pairwise(row))
+    assert len(after) == n * (n - 1)  # every side right after every other ...
+    assert len(set(after.values())) <= 1  # ... equally often
+
+
 def test_the_plot_is_written(quick_bench: tuple[str, Path]) -> None:
     out, where = quick_bench
     png = where / "ratios.png"
