@@ -7,14 +7,24 @@ orders (A B, B A for two sides), the median of per-round ratios.
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+
+from freplicate.testing import init_loopback_group
+
+T = TypeVar("T")
 
 MODELS = ("many_small", "small_mlp", "mid_mlp")
 
@@ -97,7 +107,9 @@ def orders(n: int) -> list[list[int]]:
     return rows if n % 2 == 0 else rows + [row[::-1] for row in rows]
 
 
-def balanced(measure: Callable[[int], float], n: int, rounds: int, warmup: int) -> list[list[float]]:
+def balanced(
+    measure: Callable[[int], float], n: int, rounds: int, warmup: int
+) -> list[list[float]]:
     """``measure(i)`` of each of ``n`` sides every round, in the orders of :func:`orders`.
 
     Returns ``times[r][i]``, side ``i``'s figure in round ``r``.
@@ -135,3 +147,55 @@ def interleave(
             fn()
     times = balanced(measure, len(candidates), pairs, warmup=0)
     return Rounds(times, [f / pairs for f in faults])
+
+
+def on_two_ranks(
+    body: Callable[[Any], T], args: Any, *, pin: bool, group_timeout: float, limit: float
+) -> T:
+    """``body(args)`` on two spawned gloo ranks on 127.0.0.1; rank 0's result.
+
+    Each rank runs one thread, pinned to core ``rank`` when ``pin`` (its gloo
+    threads inherit it), in a process group with ``group_timeout`` seconds
+    per collective. ``body`` must be a module-level function (spawn pickles
+    it). A rank that dies never answers: after ``limit`` seconds this gives
+    up, and both ranks are always joined or killed, never left hanging.
+    """
+    tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = os.path.join(tmp, "store")
+    procs = [
+        ctx.Process(target=_rank, args=(r, store, body, args, pin, group_timeout, out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        result: T = out.get(timeout=limit)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def _rank(
+    rank: int,
+    store: str,
+    body: Callable[[Any], Any],
+    args: Any,
+    pin: bool,
+    group_timeout: float,
+    out: Any,
+) -> None:
+    torch.set_num_threads(1)
+    if pin and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
+    init_loopback_group(store, rank, 2, timeout=group_timeout)
+    result = body(args)
+    if rank == 0:
+        out.put(result)
+    dist.barrier()
+    dist.destroy_process_group()

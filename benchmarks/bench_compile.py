@@ -34,23 +34,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import shutil
 import statistics
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
-from freplicate.testing import init_loopback_group
 
-from ._common import MODELS, Rounds, balanced, build, timed
+from ._common import MODELS, Rounds, balanced, build, on_two_ranks, timed
 from ._report import Row, show
 from .bench_distributed import _agree, _round_times, _stateful_side
 
@@ -277,38 +272,15 @@ def _two_rank_model(name: str, rounds: int, steps: int) -> tuple[Any, list[float
     return t, compile_s.tolist()
 
 
-def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    if args.pin and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
-    init_loopback_group(store, rank, 2, timeout=600)
+def _measure(args: argparse.Namespace) -> dict[str, tuple[Any, list[float]]]:
+    """Every model's rounds and compile times, on this rank (both ranks run it)."""
     warm_up()
-    results = {name: _two_rank_model(name, args.rounds, args.steps) for name in args.models}
-    if rank == 0:
-        out.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    return {name: _two_rank_model(name, args.rounds, args.steps) for name in args.models}
 
 
 def two_ranks(models: tuple[str, ...], rounds: int, steps: int, pin: bool) -> list[Row]:
     args = argparse.Namespace(models=list(models), rounds=rounds, steps=steps, pin=pin)
-    tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), args, queue))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = queue.get(timeout=7200)  # a rank that died never answers: give up, never hang
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+    results = on_two_ranks(_measure, args, pin=pin, group_timeout=600, limit=7200)
     rows = []
     for name in models:
         t, (ddp_s, fr_s, overlap_s) = results[name]
@@ -352,7 +324,9 @@ def run(
         for name in models:
             rows += one_process(name, pairs, warmup, repeats or (1 if quick else 3))
     if part in ("two", "both"):
-        rows += two_ranks(models, rounds or (3 if quick else 24), steps or (2 if quick else 20), pin)
+        rows += two_ranks(
+            models, rounds or (3 if quick else 24), steps or (2 if quick else 20), pin
+        )
     return rows
 
 

@@ -170,7 +170,14 @@ def run(quick: bool = False) -> list[Row]:
         rows.append(_row(name, "fr.apply / module(x)", t, 1, 0, APPLY if small else None))
         rows.append(_row(name, "torch.func.functional_call / module(x)", t, 2, 0))
         rows.append(
-            _row(name, "fr.apply / module(x), a module built before each", t, 4, 3, APPLY if small else None)
+            _row(
+                name,
+                "fr.apply / module(x), a module built before each",
+                t,
+                4,
+                3,
+                APPLY if small else None,
+            )
         )
 
         t = interleave(grad_sides(model, x, y), pairs=pairs, warmup=warmup)

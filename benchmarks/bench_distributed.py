@@ -31,23 +31,18 @@ Sides of the training step (SGD, lr 0.01, ``F.cross_entropy``):
 from __future__ import annotations
 
 import argparse
-import os
 import resource
-import shutil
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import freplicate as fr
-from freplicate.testing import init_loopback_group
 
-from ._common import MODELS, Rounds, balanced, build
+from ._common import MODELS, Rounds, balanced, build, on_two_ranks
 from ._report import Row, show
 
 NAME = "distributed"
@@ -223,19 +218,13 @@ def _bench_all_reduce(rounds: int, steps: int) -> Rounds:
     )
 
 
-def _worker(rank: int, store: str, args: argparse.Namespace, out: Any) -> None:
-    torch.set_num_threads(1)
-    if args.pin and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})  # its gloo threads inherit it
-    init_loopback_group(store, rank, 2, timeout=120)
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every row's rounds, on this rank (both ranks run it: the sides are collective)."""
     rows: dict[str, Any] = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
     for name in args.models:
         rows[name] = _bench_step(name, args.rounds, args.steps)
-    if rank == 0:
-        out.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
+    return rows
 
 
 STEP_SIDES = (
@@ -262,23 +251,7 @@ def run(
         steps=steps or (2 if quick else 3),
         pin=pin,
     )
-    tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, os.path.join(tmp, "store"), args, out))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = out.get(timeout=3600)  # a rank that died never answers: give up, never hang
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+    results = on_two_ranks(_measure, args, pin=pin, group_timeout=120, limit=3600)
     rows = []
     for name in args.models:
         t, faults = results[name]
