@@ -128,9 +128,17 @@ def _device_of(*trees: Any) -> torch.device | None:
 
 
 class _Modes:
-    """The caller's thread-local modes, re-entered in each worker thread."""
+    """The caller's thread-local modes, re-entered in each worker thread.
+
+    The intra-op thread count is one of them: OpenMP keeps it per thread, so
+    a new thread would compute with every core (``torch.set_num_threads(1)``
+    notwithstanding), and two replicas on a 2-core host would run three
+    compute threads at once, each slower than the caller alone.
+    """
 
     def __init__(self) -> None:
+        self.threads = torch.get_num_threads()
+        self.caller = threading.current_thread()
         self.grad = torch.is_grad_enabled()
         self.inference = torch.is_inference_mode_enabled()
         self.autocast = [
@@ -140,6 +148,8 @@ class _Modes:
         ]
 
     def enter(self, stack: contextlib.ExitStack) -> None:
+        if threading.current_thread() is not self.caller:  # a worker: see the docstring
+            torch.set_num_threads(self.threads)
         if self.inference:
             stack.enter_context(torch.inference_mode())
         stack.enter_context(torch.set_grad_enabled(self.grad))
