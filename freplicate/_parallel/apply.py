@@ -33,8 +33,8 @@ def parallel_apply(
     Each call runs in a thread of its own (the first in the caller's thread,
     the others in threads that have ended when this returns), so calls whose
     work releases the GIL (tensor ops) run in parallel. Every call sees the
-    caller's grad mode, inference mode and autocast state (thread-local in
-    PyTorch), and, on a CUDA device, runs with that device current and on a
+    caller's grad mode, inference mode, autocast state and intra-op thread
+    count (thread-local in PyTorch and OpenMP), and, on a CUDA device, runs with that device current and on a
     stream of its own, ordered after the caller's stream (the caller's stream
     waits for it before this returns). Under a ``torch.func`` transform the
     calls run one after another in the caller's thread: the transform's
