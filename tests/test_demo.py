@@ -15,7 +15,7 @@ import torch
 
 import freplicate as fr
 from freplicate.__main__ import main
-from freplicate._demo import _adamw, _single
+from freplicate._demo import _adamw, _ranks, _single
 
 QUICK = ["--epochs", "1", "--steps", "3"]
 LOCAL = [*QUICK, "--no-distributed", "--no-compile"]
@@ -116,6 +116,21 @@ def test_a_compiled_path_past_its_time_is_skipped(
     assert _demo(tmp_path, *QUICK, "--no-distributed", "--compile") == 0
     out = capsys.readouterr().out
     assert "(c) skipped: compiling and training took over 0 s (1 of 3 steps done)" in out
+
+
+def test_ranks_that_do_not_answer_in_time_are_named_and_stopped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import multiprocessing
+
+    monkeypatch.setattr(_ranks, "TIMEOUT_S", 0.0)
+    assert _demo(tmp_path, *QUICK, "--no-compile") == 1
+    out = capsys.readouterr().out
+    # each late rank is asked for its Python stack (SIGUSR1), then stopped: nothing hangs
+    assert "(b) rank 0 has not answered: its Python stack follows" in out
+    assert "(b) failed: rank 0 did not answer within 0 s" in out
+    assert "FAILED: (b) did not run to the end (see above); nothing disagreed." in out
+    assert not multiprocessing.active_children()
 
 
 ERRORS = [

@@ -84,8 +84,11 @@ def run(options: Options) -> bool:
     print(f"\nplot: {png}")
     ok = all(r.ok for r in results)
     print(f"wall time: {time.perf_counter() - started:.0f} s")
+    failed = [r.title[:3] for r in results if r.failed]
     if ok:
         print("OK: every path agrees with its stateful twin at every step.")
+    elif failed and all(r.ok or r.failed for r in results):
+        print(f"FAILED: {', '.join(failed)} did not run to the end (see above); nothing disagreed.")
     else:
         print("MISMATCH: a functional path and its stateful twin disagree (see above).")
         if options.dtype == "float32":

@@ -7,15 +7,19 @@ builds its own, and both sides take rank 0's: DDP at construction,
 side and the functional AdamW on the other. The ranks meet through a file
 store (nothing listens for the rendezvous) and gloo talks over the loopback
 interface only; every collective has a timeout, and the parent gives up on
-ranks that have not answered in time, killing them, so the demo always ends.
+ranks that have not answered in time, asking each for its Python stack
+(SIGUSR1, printed on the terminal: where it hung) and then killing it, so
+the demo always ends.
 """
 
 from __future__ import annotations
 
 import copy
+import faulthandler
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -51,6 +55,8 @@ def _rank(
     """One rank: train DDP and fr.distributed side by side, put its record on ``out``."""
     from torch.nn.parallel import DistributedDataParallel
 
+    if hasattr(signal, "SIGUSR1"):  # the parent asks a rank that is late for its stack
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         torch.set_num_threads(1)
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's sockets on the loopback interface only
@@ -155,7 +161,12 @@ def distributed(
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break  # a rank died without a word (killed, out of memory)
     finally:
-        for p in procs:
+        late = len(records) < WORLD
+        for r, p in enumerate(procs):
+            if late and r not in records and p.is_alive() and hasattr(signal, "SIGUSR1"):
+                say(f"(b) rank {r} has not answered: its Python stack follows")
+                os.kill(p.pid, signal.SIGUSR1)  # printed by the rank on this terminal
+                time.sleep(1.0)
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
