@@ -14,10 +14,12 @@ composable ``replicate``, on the same init and the same per-rank data.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import io
 import os
 import queue
 import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -62,6 +64,8 @@ def _main(
     stall: bool,
 ) -> None:
     torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):  # a late rank's stack, asked for by ``spawn``
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     init_loopback_group(store, rank, WORLD, timeout=pg_timeout)
     if rank == die:
         if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
@@ -118,6 +122,11 @@ def spawn(
                 continue
             got[rank] = torch.load(io.BytesIO(blob), weights_only=False)
     finally:
+        if len(got) < expected and hasattr(signal, "SIGUSR1"):
+            for r, p in enumerate(procs):
+                if r not in got and p.pid and p.is_alive():  # its stack on stderr: pytest shows it
+                    os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(0.5)
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
             if p.is_alive():

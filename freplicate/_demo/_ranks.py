@@ -163,7 +163,7 @@ def distributed(
     finally:
         late = len(records) < WORLD
         for r, p in enumerate(procs):
-            if late and r not in records and p.is_alive() and hasattr(signal, "SIGUSR1"):
+            if late and r not in records and p.pid and p.is_alive() and hasattr(signal, "SIGUSR1"):
                 say(f"(b) rank {r} has not answered: its Python stack follows")
                 os.kill(p.pid, signal.SIGUSR1)  # printed by the rank on this terminal
                 time.sleep(1.0)
