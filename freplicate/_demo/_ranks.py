@@ -124,6 +124,8 @@ def _rank(
     except Exception:
         out.put((rank, traceback.format_exc(limit=-1).strip().splitlines()[-1]))
     finally:
+        out.close()
+        out.join_thread()  # the record is in the parent's pipe before any teardown
         dist.destroy_process_group()
 
 
