@@ -200,6 +200,12 @@ def data_parallel(
             progress.set_postfix(acc=f"{result.fr.accuracy[-1]:.3f}")
     finally:
         progress.close()
+    if len(devices) > 1 and all(d == "cpu" for d in devices):
+        result.note = (
+            "times: fr runs the CPU replicas in threads, as DataParallel runs its replicas; "
+            "the twin runs its copies one after another. On shared cores, threads of a small "
+            "model mostly hand the GIL back and forth (docs/data_parallel.md, Speed on CPU)"
+        )
     return result
 
 
