@@ -7,9 +7,12 @@ orders (A B, B A for two sides), the median of per-round ratios.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import queue
 import resource
 import shutil
+import signal
 import statistics
 import tempfile
 import time
@@ -157,8 +160,10 @@ def on_two_ranks(
     Each rank runs one thread, pinned to core ``rank`` when ``pin`` (its gloo
     threads inherit it), in a process group with ``group_timeout`` seconds
     per collective. ``body`` must be a module-level function (spawn pickles
-    it). A rank that dies never answers: after ``limit`` seconds this gives
-    up, and both ranks are always joined or killed, never left hanging.
+    it). A rank that exits without an answer (a failed agreement check
+    raises there) ends the wait at once, and after ``limit`` seconds it ends
+    anyway, a late rank first printing its Python stack (SIGUSR1); both
+    ranks are always joined or killed, never left hanging.
     """
     tmp = tempfile.mkdtemp(prefix="freplicate-bench-")
     ctx = mp.get_context("spawn")
@@ -170,15 +175,33 @@ def on_two_ranks(
     ]
     for p in procs:
         p.start()
+    answered, result, why = False, None, ""
+    deadline = time.monotonic() + limit
     try:
-        result: T = out.get(timeout=limit)
+        while not answered and time.monotonic() < deadline:
+            try:
+                result, answered = out.get(timeout=1.0), True
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode is not None]
+                if dead and out.empty():
+                    why = ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+                    break
+        if not answered and not why:
+            why = f"no answer within {limit:.0f} s"
+            for p in procs:
+                if p.pid and p.is_alive() and hasattr(signal, "SIGUSR1"):
+                    os.kill(p.pid, signal.SIGUSR1)  # its stack, on this terminal
+                    time.sleep(0.5)
     finally:
         for p in procs:
-            p.join(timeout=30)
+            p.join(timeout=30 if answered else 2)  # a rank that failed: no need to wait
             if p.is_alive():
                 p.kill()
+                p.join()
         shutil.rmtree(tmp, ignore_errors=True)
-    return result
+    if not answered:
+        raise RuntimeError(f"two-rank benchmark failed: {why} (see the ranks' output above)")
+    return result  # type: ignore[return-value]
 
 
 def _rank(
@@ -191,6 +214,8 @@ def _rank(
     out: Any,
 ) -> None:
     torch.set_num_threads(1)
+    if hasattr(signal, "SIGUSR1"):  # a late rank's stack, asked for by ``on_two_ranks``
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     if pin and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})
     init_loopback_group(store, rank, 2, timeout=group_timeout)

@@ -139,6 +139,26 @@ def test_round_orders_are_balanced(n: int) -> None:
     assert len(set(after.values())) <= 1  # ... equally often
 
 
+def _fails_on_rank_0(args: object) -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        raise AssertionError("the sides disagree")
+    return 1
+
+
+def test_a_rank_that_fails_ends_a_two_rank_benchmark_at_once() -> None:
+    # it waited out the whole limit (an hour) and then raised queue.Empty
+    import time
+
+    from benchmarks._common import on_two_ranks
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"two-rank benchmark failed: rank 0 exited with code 1"):
+        on_two_ranks(_fails_on_rank_0, None, pin=False, group_timeout=30, limit=600)
+    assert time.monotonic() - start < 60
+
+
 def test_the_plot_is_written(quick_bench: tuple[str, Path]) -> None:
     out, where = quick_bench
     png = where / "ratios.png"
