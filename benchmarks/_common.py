@@ -7,6 +7,7 @@ orders (A B, B A for two sides), the median of per-round ratios.
 
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import os
 import queue
@@ -150,6 +151,18 @@ def interleave(
             fn()
     times = balanced(measure, len(candidates), pairs, warmup=0)
     return Rounds(times, [f / pairs for f in faults])
+
+
+def two_rank_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command-line options every two-rank benchmark takes: rounds, steps, pinning."""
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="let the OS place the ranks (default: rank r pinned to core r)",
+    )
 
 
 def on_two_ranks(

@@ -45,9 +45,9 @@ from torch import nn
 
 import freplicate as fr
 
-from ._common import MODELS, Rounds, balanced, build, on_two_ranks, timed
+from ._common import MODELS, Rounds, balanced, build, on_two_ranks, timed, two_rank_arguments
 from ._report import Row, show
-from .bench_distributed import _agree, _round_times, _stateful_side
+from .bench_distributed import _agree, _rounds, _stateful_side
 
 NAME = "compile"
 TITLE = (
@@ -266,7 +266,7 @@ def _two_rank_model(name: str, rounds: int, steps: int) -> tuple[Any, list[float
         trainer(fr_plain, model),
         trainer(fr_overlap, model),
     ]
-    t = Rounds(balanced(lambda i: _round_times(sides[i], steps), len(sides), rounds, 2), [])
+    t = _rounds(sides, rounds, steps)
     compile_s = torch.tensor([ddp_s, fr_s, overlap_s], dtype=torch.float64)
     dist.all_reduce(compile_s, op=dist.ReduceOp.MAX)
     return t, compile_s.tolist()
@@ -342,14 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--part", choices=("one", "two", "both"), default="both")
     parser.add_argument("--repeats", type=int, default=None, help="cold compiles per side")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="let the OS place the ranks (default: rank r pinned to core r)",
-    )
+    two_rank_arguments(parser)
     args = parser.parse_args(argv)
     rows = run(
         args.quick,

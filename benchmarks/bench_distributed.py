@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import freplicate as fr
 
-from ._common import MODELS, Rounds, balanced, build, on_two_ranks
+from ._common import MODELS, Rounds, balanced, build, on_two_ranks, two_rank_arguments
 from ._report import Row, show
 
 NAME = "distributed"
@@ -273,14 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=TITLE)
     parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument(
-        "--no-pin",
-        dest="pin",
-        action="store_false",
-        help="let the OS place the ranks (default: rank r pinned to core r)",
-    )
+    two_rank_arguments(parser)
     args = parser.parse_args(argv)
     rows = run(
         args.quick, models=tuple(args.models), rounds=args.rounds, steps=args.steps, pin=args.pin

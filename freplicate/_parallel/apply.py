@@ -34,9 +34,9 @@ def parallel_apply(
     the others in threads that have ended when this returns), so calls whose
     work releases the GIL (tensor ops) run in parallel. Every call sees the
     caller's grad mode, inference mode, autocast state and intra-op thread
-    count (thread-local in PyTorch and OpenMP), and, on a CUDA device, runs with that device current and on a
-    stream of its own, ordered after the caller's stream (the caller's stream
-    waits for it before this returns). Under a ``torch.func`` transform the
+    count (thread-local in PyTorch and OpenMP), and, on a CUDA device, runs
+    with that device current and on a stream of its own, ordered after the
+    caller's stream (the caller's stream waits for it before this returns). Under a ``torch.func`` transform the
     calls run one after another in the caller's thread: the transform's
     state is thread-local, and another thread would silently compute
     without it.
