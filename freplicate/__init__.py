@@ -14,6 +14,7 @@ from typing import Any
 from . import distributed as distributed
 from ._apply import apply as apply
 from ._caches import clear_caches as clear_caches
+from ._clip import clip_grad_norm as clip_grad_norm
 from ._grad import grad_and_value as grad_and_value
 from ._parallel import all_reduce as all_reduce
 from ._parallel import data_parallel as data_parallel
@@ -36,6 +37,7 @@ __all__ = [
     "all_reduce",
     "apply",
     "clear_caches",
+    "clip_grad_norm",
     "combine",
     "data_parallel",
     "data_parallel_grad",
