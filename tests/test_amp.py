@@ -225,6 +225,14 @@ def test_found_inf_of_several_optimizers_adds_up():
     assert float(scaler.update(amp, a + b)["scale"]) == 4.0
 
 
+def test_across_ranks_without_a_process_group_is_the_local_flag():
+    scaler = fr.GradScaler(init_scale=2.0)
+    amp = scaler.init()
+    for g, want in ((torch.tensor([1.0]), 0.0), (torch.tensor([math.nan]), 1.0)):
+        _, found = scaler.unscale(amp, {"w": g}, across_ranks=True)
+        assert float(found) == want
+
+
 def test_scale_and_step_on_trees():
     scaler = fr.GradScaler(init_scale=2.0)
     amp = scaler.init()
