@@ -131,10 +131,8 @@ def runs() -> dict[str, list[Any]]:
 def test_torchopt_adamw_with_decay_groups_stays_within_2e_5_of_torch(runs):
     for name in ("fr clip", "torchopt clip", "accelerated"):
         gaps = [relative_gap(got, want) for got, want in zip(runs[name], runs["torch"])]
-        assert max(gaps) < 2e-5, (
-            name,
-            gaps,
-        )  # measured: about 7e-6 after one step, 1.4e-5 after 20
+        # measured: 6.9e-6 after one step, at most 9.7e-6 over the 20
+        assert max(gaps) < 2e-5, (name, gaps)
         assert min(gaps) > 0  # and never bit for bit: see the next tests for why
 
 
