@@ -158,7 +158,8 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     Each tensor is padded with zero rows to a multiple of ``num_chunks``, cut
     into ``num_chunks`` equal chunks of rows, and row ``r`` of ``out`` is the
     concatenation of every tensor's chunk ``r``, flattened (FSDP2's copy-in
-    of a reduce-scatter). The fallback does the same with ``pad`` and ``copy_``.
+    of a reduce-scatter), cast to ``out``'s dtype. The fallback does the same
+    with ``pad`` and ``copy_``.
 
     >>> out = torch.empty(2, 3)
     >>> chunk_cat([torch.arange(3.0), torch.tensor([[7.0], [8.0]])], 2, out)
@@ -166,10 +167,13 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     tensor([[0., 1., 7.],
             [2., 0., 8.]])
     """
-    if _chunk_cat is not None:
-        _chunk_cat(list(tensors), 0, num_chunks, out=out)
+    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no rows in any chunk
+    if not tensors:
         return
-    start = 0
+    if _chunk_cat is not None and all(t.dtype == out.dtype for t in tensors):
+        _chunk_cat(tensors, 0, num_chunks, out=out)
+        return
+    start = 0  # the fallback, which also casts (booleans travel as uint8)
     for t in tensors:
         rows = t.shape[0]
         c = -(-rows // num_chunks)
