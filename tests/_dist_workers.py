@@ -67,11 +67,12 @@ def _main(
     pg_timeout: float,
     die: int | None,
     stall: bool,
+    world: int = WORLD,
 ) -> None:
     torch.set_num_threads(1)
     if hasattr(signal, "SIGUSR1"):  # a late rank's stack, asked for by ``spawn``
         faulthandler.register(signal.SIGUSR1, all_threads=True)
-    init_loopback_group(store, rank, WORLD, timeout=pg_timeout)
+    init_loopback_group(store, rank, world, timeout=pg_timeout)
     if rank == die:
         if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
             time.sleep(3 * pg_timeout)
@@ -97,11 +98,13 @@ def spawn(
     die: int | None = None,
     stall: bool = False,
     target: Callable[..., None] | None = None,
+    world: int = WORLD,
 ) -> dict[str, list[Any]]:
-    """Run ``names`` on 2 ranks; ``{name: [rank 0's result, rank 1's]}``, killing stragglers.
+    """Run ``names`` on ``world`` ranks (2); ``{name: [rank 0's result, ...]}``, killing stragglers.
 
     ``target``: the ranks' entry point, ``_main`` unless a module of more
-    scenarios passes its own (one that imports it, registering them).
+    scenarios passes its own (one that imports it, registering them); it
+    takes ``world`` as its last argument.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -109,14 +112,16 @@ def spawn(
     store = os.path.join(tmp, "store")
     entry = _main if target is None else target
     procs = [
-        ctx.Process(target=entry, args=(r, store, names, out, pg_timeout, die, stall), daemon=True)
-        for r in range(WORLD)
+        ctx.Process(
+            target=entry, args=(r, store, names, out, pg_timeout, die, stall, world), daemon=True
+        )
+        for r in range(world)
     ]
     for p in procs:
         p.start()
     got: dict[int, dict[str, Any]] = {}
     end = time.monotonic() + deadline
-    expected = WORLD if die is None else WORLD - 1
+    expected = world if die is None else world - 1
     try:
         while len(got) < expected and time.monotonic() < end:
             try:
@@ -140,7 +145,7 @@ def spawn(
         shutil.rmtree(tmp, ignore_errors=True)
     if len(got) < expected:
         raise AssertionError(f"only ranks {sorted(got)} reported back within {deadline} s")
-    return {n: [got[r][n] if r in got else None for r in range(WORLD)] for n in names}
+    return {n: [got[r][n] if r in got else None for r in range(world)] for n in names}
 
 
 def ok(job: dict[str, list[Any]], name: str) -> list[Any]:

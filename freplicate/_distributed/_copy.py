@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .._torch import chunk_cat
+from .._torch import chunk_cat, is_compiling
 from ._layout import Bucket, Run, valid_rows
 
 __all__ = ["fill", "pack", "put_words", "results", "words_of"]
@@ -79,13 +79,21 @@ def _pack(
             tensors = list(part.unbind(0)) if isinstance(part, torch.Tensor) else list(part)
             if not run.shape:  # a 0-dim tensor: its value in every rank's chunk
                 tensors = [t.reshape(1).expand(w) for t in tensors]
-            chunk_cat(tensors, w, grid[:, run.start : run.start + run.width])
+            region = grid[:, run.start : run.start + run.width]
+            if is_compiling() and not region.is_contiguous():
+                # Dynamo takes no out= that is not contiguous (a run beside others, or the
+                # words): lay the run out in a buffer of its own, then copy it in
+                staged = region.new_empty(region.shape)
+                chunk_cat(tensors, w, staged)
+                region.copy_(staged)
+            else:
+                chunk_cat(tensors, w, region)
         if scale is not None:
             grid[:, : bucket.data].mul_(scale)
         return
     for run, part in zip(bucket.runs, parts):  # gather: this rank's rows, zero-padded
         valid = valid_rows(run.rows, run.shape[0], rank)
-        dst = send[run.start : run.start + run.width].view(run.n, run.rows, *run.row)
+        dst = send[run.start : run.start + run.width].view(run.n, run.rows, *run.shape[1:])
         dst[:, :valid].copy_(_stacked(part, run))
         if valid < run.rows:
             dst[:, valid:].zero_()
@@ -139,7 +147,7 @@ def results(
             out += region.view(run.n, *run.shape).unbind(0)
         else:
             valid = valid_rows(run.rows, run.shape[0], rank)
-            out += region.view(run.n, run.rows, *run.row)[:, :valid].unbind(0)
+            out += region.view(run.n, run.rows, *run.shape[1:])[:, :valid].unbind(0)
     return out, res
 
 
@@ -149,10 +157,10 @@ def _gathered(bucket: Bucket, landed: torch.Tensor, res: torch.Tensor) -> list[t
     out: list[torch.Tensor] = []
     offset = 0
     for run in bucket.runs:
-        src = grid[:, run.start : run.start + run.width].view(w, run.n, run.rows, *run.row)
-        dst = res[offset : offset + w * run.width].view(run.n, w, run.rows, *run.row)
+        src = grid[:, run.start : run.start + run.width].view(w, run.n, run.rows, *run.shape[1:])
+        dst = res[offset : offset + w * run.width].view(run.n, w, run.rows, *run.shape[1:])
         dst.copy_(src.transpose(0, 1))
         offset += w * run.width
-        full = dst.view(run.n, w * run.rows, *run.row)[:, : run.shape[0]]
+        full = dst.view(run.n, w * run.rows, *run.shape[1:])[:, : run.shape[0]]
         out += full.unbind(0)
     return out
