@@ -10,6 +10,7 @@ from ._distributed import Step as Step
 from ._distributed import all_gather as all_gather
 from ._distributed import all_reduce as all_reduce
 from ._distributed import broadcast as broadcast
+from ._distributed import clip_grad_norm as clip_grad_norm
 from ._distributed import grad_and_value as grad_and_value
 from ._distributed import join as join
 from ._distributed import reduce_scatter as reduce_scatter
@@ -21,6 +22,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "clip_grad_norm",
     "grad_and_value",
     "join",
     "reduce_scatter",

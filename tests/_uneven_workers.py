@@ -68,22 +68,23 @@ def sgd(params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict
 
 
 class Calls:
-    """``dist.all_reduce`` calls on this rank while active: whether each ran inside a backward."""
+    """``dist.<name>`` calls on this rank while active: whether each ran inside a backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "all_reduce") -> None:
         self.inside: list[bool] = []
-        self._orig = dist.all_reduce
+        self.name = name
+        self._orig = getattr(dist, name)
 
     def __enter__(self) -> Calls:
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.inside.append(torch._C._current_autograd_node() is not None)
             return self._orig(*args, **kwargs)
 
-        dist.all_reduce = counted
+        setattr(dist, self.name, counted)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        dist.all_reduce = self._orig
+        setattr(dist, self.name, self._orig)
 
     def __len__(self) -> int:
         return len(self.inside)
@@ -92,11 +93,26 @@ class Calls:
 # --- uneven inputs: join and skip -----------------------------------------------------------
 
 
+def sgd_under_join(ddp: nn.Module, data: list[Any]) -> list[dict[str, torch.Tensor]]:
+    """DDP + ``torch.optim.SGD`` over this rank's ``data`` under ``Join``: the parameters after
+    each of its steps."""
+    from torch.distributed.algorithms.join import Join
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    steps = []
+    with Join([ddp], divide_by_initial_world_size=True):
+        for x, y in data:
+            opt.zero_grad()
+            F.cross_entropy(ddp(x), y).backward()
+            opt.step()
+            steps.append(params_of(ddp.module))
+    return steps
+
+
 @scenario
 def join_against_ddp(rank: int) -> dict[str, Any]:
     """5 batches on rank 0, 3 on rank 1: fr's join/skip loop against DDP under Join, step by step;
     and the collectives the loop makes (join's bit rides in the step's own reduction)."""
-    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
@@ -104,14 +120,7 @@ def join_against_ddp(rank: int) -> dict[str, Any]:
     data = [batch(rank, i, 6) for i in range([5, 3][rank])]
 
     ddp = DistributedDataParallel(copy.deepcopy(model))
-    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
-    ddp_steps = []
-    with Join([ddp], divide_by_initial_world_size=True):
-        for x, y in data:
-            opt.zero_grad()
-            F.cross_entropy(ddp(x), y).backward()
-            opt.step()
-            ddp_steps.append(params_of(ddp.module))
+    ddp_steps = sgd_under_join(ddp, data)
     ddp_final = params_of(ddp.module)  # Join syncs the last joiner's model to every rank
 
     params = fr.state(model).params

@@ -18,6 +18,7 @@ all-reduce add in different orders, and the results agree to rounding.
 
 from __future__ import annotations
 
+import math
 import re
 import sys
 from pathlib import Path
@@ -45,8 +46,16 @@ SCENARIOS = [
     "no_warnings",
     "primitives_compiled",
     "mismatch_compiled",
+    "zero2_grads",
+    "zero2_accumulate",
+    "zero2_join",
+    "zero2_weighted",
+    "clip_against_torch",
+    "adamw_loops",
+    "resume",
+    "compiled_check_race",
 ]
-THREE = ["primitives", "mismatches"]
+THREE = ["primitives", "mismatches", "zero2_grads", "clip_against_torch"]
 
 
 @pytest.fixture(scope="module")
@@ -213,3 +222,183 @@ def test_without_a_group_every_primitive_is_the_identity():
     assert fr.distributed.shard(tree) is tree
     assert fr.distributed.reduce_scatter(tree) is tree
     assert fr.distributed.all_gather(tree, tree) is tree
+
+
+# --- ZeRO-2 gradients -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["job", "job3"])
+def test_zero2_gradients_are_the_rows_of_ddps(which, request):
+    results = ok(request.getfixturevalue(which), "zero2_grads")
+    exact = which == "job"
+    for r in results:
+        for cap in (25.0, 1e-6, 0.0005):
+            c = r[cap]
+            assert c["unchanged"]
+            torch.testing.assert_close(c["value"], c["local_value"], rtol=0, atol=0)
+            # the same reduce-scatter as reduce_scatter of the local gradients, and as
+            # shard(all-reduced gradients) on 2 ranks
+            bitwise(c["grads"], c["of_local"])
+            (bitwise if exact else near)(c["grads"], c["of_full"])
+            (bitwise if exact else near)(c["grads"], c["ddp_rows"])
+            assert c["grads"]["scale"].shape == ()  # the 0-dim parameter's gradient, whole
+        # a bucket per tensor (7): every bucket's reduce-scatter but the last starts inside the
+        # backward pass (before them, on a new layout, the agreement's own)
+        inside = r[1e-6]["inside"]
+        assert inside[-7:] == [True] * 6 + [False], inside
+        assert r[25.0]["inside"][-1:] == [False]  # one bucket: launched when the backward ends
+        if exact:
+            bitwise(*r["sum"])
+            bitwise(*r["bf16"])
+        else:
+            near(*r["sum"])
+            near(*r["bf16"], loose=True)
+
+
+def test_zero2_accumulate_equals_ddp_no_sync(job):
+    for r in ok(job, "zero2_accumulate"):
+        for cap in (25.0, 0.0005):
+            c = r[cap]
+            assert c["values"] == 3
+            bitwise(c["grads"], c["ddp_rows"])
+            bitwise(c["grads"], c["of_full"])
+            bitwise(c["generator"], c["grads"])
+        # several buckets: the one reduction overlaps the last micro-batch's backward pass
+        assert r[0.0005]["inside"][-2:] == [True, False], r[0.0005]["inside"]
+
+
+def test_zero2_join_and_skip_equal_ddp_under_join(job):
+    r0, r1 = ok(job, "zero2_join")
+    assert (r0["skipped"], r1["skipped"]) == (0, 2)
+    assert len(r0["fr"]) == len(r1["fr"]) == 5
+    for got, want in zip(r0["fr"], r0["ddp"]):
+        bitwise(got, want)
+    for got, want in zip(r1["fr"], r1["ddp"]):  # rank 1's own 3 steps
+        bitwise(got, want)
+    bitwise(r0["fr"][-1], r1["fr"][-1])  # every rank holds the same parameters at the end
+
+
+def test_zero2_weighted_is_the_full_batch_gradient(job):
+    for r in ok(job, "zero2_weighted"):
+        got, of_unsharded = r["step"]
+        bitwise(got, of_unsharded)
+        close(got, r["full_batch"], rtol=1e-5, atol=1e-7)
+        got, of_unsharded, rank0 = r["skip"]
+        bitwise(got, of_unsharded)
+        close(got, rank0, rtol=1e-5, atol=1e-7)
+        got, of_unsharded, full = r["accumulate"]
+        bitwise(got, of_unsharded)
+        close(got, full, rtol=1e-5, atol=1e-7)
+
+
+# --- clipping -------------------------------------------------------------------------------
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (0 where both are equal, infinities and NaNs included)."""
+    if torch.equal(a, b) or (a.isnan().all() and b.isnan().all()):
+        return 0.0
+    return float((a.double() - b.double()).abs() / b.double().abs())
+
+
+@pytest.mark.parametrize("which", ["job", "job3"])
+def test_clip_grad_norm_of_shards_equals_clip_grad_norm_of_the_full_gradient(which, request):
+    results = ok(request.getfixturevalue(which), "clip_against_torch")
+    for r in results:
+        assert r["unchanged"]
+        for (p, max_norm), c in ((k, v) for k, v in r.items() if isinstance(k, tuple)):
+            where = f"norm_type={p}, max_norm={max_norm}"
+            # every rank computes the same total, bit for bit
+            assert all(torch.equal(t, c["total"]) for t in c["totals"]), where
+            assert c["total"].dtype == c["want_total"].dtype, where
+            if p in (math.inf, -math.inf, 0.0):  # a max, a min, a count: nothing rounds
+                assert torch.equal(c["total"], c["want_total"]), where
+                bitwise(c["got"], c["want"])
+            else:  # the sum runs in another order: the last bits
+                # measured: the total within 3.0e-7 relative (p = 0.5), the clipped shards 3.6e-7
+                assert relative(c["total"], c["want_total"]) < 4e-7, (where, c["total"])
+                close(c["got"], c["want"], rtol=5e-7, atol=0)
+        bitwise(*r["compiled"])
+        assert r["mismatch"][:2] == ("raised", "ValueError"), r["mismatch"]
+        assert "every rank must pass the shards of the same tree" in r["mismatch"][2]
+        assert r["empty"] == ({"n": None, "k": 3}, torch.tensor(0.0))
+        assert torch.equal(r["after"]["x"], torch.full((1,), float(len(results))))
+
+
+@pytest.mark.parametrize("p", [2.0, 1.0, 0.5, math.inf, 0.0])
+def test_clip_grad_norm_on_one_rank_is_fr_clip_grad_norm_bit_for_bit(p):
+    g = torch.Generator().manual_seed(0)
+    grads = {f"{i}.w": torch.randn(3, 2 + i, generator=g) for i in range(12)}
+    grads = {**grads, "s": torch.tensor(0.5), "f64": torch.randn(3, dtype=torch.float64), "n": None}
+    snap = {k: (v._version, v.clone()) for k, v in grads.items() if v is not None}
+    got, total = fr.distributed.clip_grad_norm(grads, 0.1, norm_type=p)
+    want, want_total = fr.clip_grad_norm(grads, 0.1, norm_type=p)
+    bitwise(got, want)
+    assert torch.equal(total, want_total) and total.dtype == want_total.dtype
+    assert all(
+        v._version == n and torch.equal(v, c) for k, (n, c) in snap.items() for v in [grads[k]]
+    )
+
+
+def test_clip_grad_norm_refuses_what_clip_grad_norm_refuses():
+    with pytest.raises(
+        TypeError, match=r"fr\.distributed\.clip_grad_norm: the gradient at \['i'\]"
+    ):
+        fr.distributed.clip_grad_norm({"i": torch.ones(2, dtype=torch.int64)}, 1.0)
+    with pytest.raises(ValueError, match=r"fr\.distributed\.clip_grad_norm: max_norm must be"):
+        fr.distributed.clip_grad_norm({"w": torch.ones(2)}, -1.0)
+    with pytest.raises(TypeError, match=r"fr\.distributed\.clip_grad_norm: norm_type must be"):
+        fr.distributed.clip_grad_norm({"w": torch.ones(2)}, 1.0, norm_type="two")
+
+
+# --- AdamW loops ----------------------------------------------------------------------------
+
+
+def worst(steps: list[Any], reference: list[Any]) -> float:
+    """The largest difference of a parameter over the steps, relative to its largest magnitude."""
+    return max(
+        float((a[k] - b[k]).abs().max() / b[k].abs().max())
+        for a, b in zip(steps, reference)
+        for k in b
+    )
+
+
+def test_zero2_adamw_loops_equal_ddp_adamw_step_for_step(job):
+    for r in ok(job, "adamw_loops"):
+        assert len(r["ddp"]) == s.STEPS == 20
+        assert sum(n > s.MAX_NORM for n in r["norms"]) >= 10  # clipping is active in the test
+        # the exact tree-map AdamW on the shards: torch's, bit for bit, step for step
+        for side in ("zero2", "zero1", "zero"):
+            for got, want in zip(r[side], r["ddp"]):
+                bitwise(got, want)
+        # clipped: ZeRO-1 clips the full gradients (fr.clip_grad_norm: torch's bits), ZeRO-2 the
+        # shards, whose norm sums in another order
+        for got, want in zip(r["zero1_clip"], r["ddp_clip"]):
+            bitwise(got, want)
+        for got, want in zip(r["zero_clip"], r["ddp_clip"]):
+            bitwise(got, want)
+        assert worst(r["zero2_clip"], r["ddp_clip"]) <= 1e-6
+        # torchopt's AdamW: within 1e-5 (its bias corrections in float32, docs/optimizers.md)
+        assert worst(r["zero2_torchopt"], r["ddp"]) <= 2e-5
+        assert worst(r["zero2_torchopt_clip"], r["ddp_clip"]) <= 2e-5
+
+
+def test_a_zero2_checkpoint_resumes_on_another_number_of_ranks(job):
+    for r in ok(job, "resume"):
+        # the one-process run with the ranks' reduced gradient is the two-rank run, bit for bit
+        bitwise(r["one_rank_whole"], r["whole"])
+        # 2 -> 1: from the gathered state, or from the ranks' shard files put together
+        bitwise(r["put_together"], r["full_state"])
+        bitwise(r["two_to_one"], r["whole"])
+        # 1 -> 2: the saved full state, sharded
+        bitwise(r["one_to_two"], r["whole"])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reported: _store.check lets an agreed layout pass without waiting, then takes a "
+    "peer that ran ahead to the next, new layout for a different tree at this call",
+)
+def test_a_rank_ahead_at_the_next_layout_is_no_mismatch(job):
+    for r in ok(job, "compiled_check_race"):
+        assert r[0] == "ok", r

@@ -14,7 +14,8 @@ the ground up (arrows point down only):
 * ``_agree`` (eager) and ``_store`` (traced): the cross-rank agreement;
 * ``_plans``: a tree -> its layout, cached eagerly, baked in while tracing;
 * ``_call``: one call through a transport, and the failure protocol;
-* ``_collectives``, ``_step``, ``_backward``, ``_join``, ``_carry``: the public functions.
+* ``_collectives``, ``_step``, ``_backward``, ``_join``, ``_carry``, ``_shard``: the public
+  functions.
 """
 
 from ._collectives import all_gather as all_gather
@@ -24,6 +25,7 @@ from ._collectives import reduce_scatter as reduce_scatter
 from ._collectives import shard as shard
 from ._collectives import sync_buffers as sync_buffers
 from ._join import join as join
+from ._shard import clip_grad_norm as clip_grad_norm
 from ._step import Step as Step
 from ._step import grad_and_value as grad_and_value
 
@@ -32,6 +34,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "clip_grad_norm",
     "grad_and_value",
     "join",
     "reduce_scatter",

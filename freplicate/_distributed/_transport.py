@@ -31,10 +31,6 @@ from ._layout import Bucket
 
 __all__ = ["Eager", "Pool", "Pools", "Traced", "real_view", "run_collective"]
 
-# torch 2.13 renamed the two (the old names warn, FutureWarning, at every call site)
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 
 class Pool:
     """Flat buffers of one size, each reused only when nothing outside the pool shares it.
@@ -128,8 +124,11 @@ def run_collective(
         if kind == "reduce":
             return dist.all_reduce(send, op=op, group=group, async_op=True)
         if kind == "scatter":
-            return _REDUCE_SCATTER(recv, send, op=op, group=group, async_op=True)
-        return _ALL_GATHER(recv, send, group=group, async_op=True)
+            # torch 2.13's names: the older ones warn (FutureWarning) at every call
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            return scatter(recv, send, op=op, group=group, async_op=True)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return gather(recv, send, group=group, async_op=True)
 
 
 def real_view(t: torch.Tensor) -> torch.Tensor:
