@@ -809,3 +809,84 @@ def compiled_check_race(rank: int) -> Any:
         fullgraph=True,
     )
     return outcome(lambda: both(a, b))
+
+
+# --- the whole ZeRO-2 step compiled --------------------------------------------------------
+
+
+def adamw_counted(params: Any, grads: Any, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """AdamW with its step count a float64 tensor (``torch.optim.AdamW(capturable=True)``'s
+    arithmetic): a compiled step does not recompile as it counts."""
+    beta1, beta2, eps = 0.9, 0.999, 1e-8
+    step = state["step"] + 1
+    step_size_neg = -(ALR / (1 - beta1**step))
+    bias_correction2_sqrt = (1 - beta2**step).sqrt()
+    m = tensor_map(lambda m, g: torch.lerp(m, g, 1 - beta1), state["exp_avg"], grads)
+    v = tensor_map(
+        lambda v, g: torch.addcmul(v.mul(beta2), g, g, value=1 - beta2), state["exp_avg_sq"], grads
+    )
+
+    def move(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # the float64 factors rounded to the parameter's dtype (a 0-dim parameter would promote)
+        neg, correction = step_size_neg.to(p.dtype), bias_correction2_sqrt.to(p.dtype)
+        denom = (v.sqrt() / (correction * neg)).add(eps / neg)
+        return p.mul(1 - ALR * WD).addcdiv(m, denom)
+
+    return tensor_map(move, params, m, v), {"step": step, "exp_avg": m, "exp_avg_sq": v}
+
+
+def zero2_step(model: nn.Module) -> Callable[..., Any]:
+    """The ZeRO-2 training step: sharded gradients, clipped, AdamW on the shards, all-gather."""
+    grad_fn = fr.distributed.grad_and_value(loss_of(model), shard=True)
+
+    def train_step(params: Any, mine: Any, state: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        grads, loss = grad_fn(params, x, y)
+        grads, _ = fr.distributed.clip_grad_norm(grads, MAX_NORM)
+        mine, state = adamw_counted(mine, grads, state)
+        return fr.distributed.all_gather(mine, params), mine, state, loss
+
+    return train_step
+
+
+@scenario
+def zero2_compiled(rank: int) -> dict[str, Any]:
+    """Five steps compiled whole (``fullgraph=True``: no break), counting the graphs, beside the
+    same steps eagerly and DDP + AdamW + ``clip_grad_norm_``."""
+    torch._dynamo.reset()
+    graphs: list[Any] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    model = net()
+
+    def train(step: Callable[..., Any]) -> list[Any]:
+        params = fr.state(model).params
+        mine = fr.distributed.shard(params)
+        zeros = tensor_map(torch.zeros_like, mine)
+        state = {
+            "step": torch.zeros((), dtype=torch.float64),
+            "exp_avg": zeros,
+            "exp_avg_sq": zeros,
+        }
+        out = []
+        for i in range(5):
+            params, mine, state, _ = step(params, mine, state, *batch(rank, i))
+            out.append(params)
+        return out
+
+    params = fr.state(model).params
+    mine = fr.distributed.shard(params)
+    zeros = tensor_map(torch.zeros_like, mine)
+    state = {"step": torch.zeros((), dtype=torch.float64), "exp_avg": zeros, "exp_avg_sq": zeros}
+    report = torch._dynamo.explain(zero2_step(model))(params, mine, state, *batch(rank, 0))
+    torch._dynamo.reset()
+    compiled = train(torch.compile(zero2_step(model), backend=backend, fullgraph=True))
+    return {
+        "explained": (report.graph_count, report.graph_break_count),
+        "compiled": compiled,
+        "graphs": len(graphs),
+        "eager": train(zero2_step(model)),
+        "ddp": stateful(rank, "adamw", True)[:5],
+    }
