@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-BENCHMARKS = ("core", "parallel", "distributed", "compile")  # benchmarks/bench_<name>.py
-# compile takes minutes of compiling: run it by name
+BENCHMARKS = ("core", "parallel", "distributed", "compile", "shard")  # benchmarks/bench_<name>.py
+# compile and shard take minutes (of compiling, of spawning ranks for memory): run them by name
 DEFAULT = ("core", "parallel", "distributed")
 
 
@@ -91,6 +91,8 @@ def _bench(args: argparse.Namespace) -> int:
         got = module.run(quick=args.quick)
         print(f"\n{module.TITLE}")
         print("\n".join(report.lines(got)), flush=True)
+        if hasattr(module, "details"):  # what is no ratio of times (bench_shard's memory)
+            print("\n".join(module.details()), flush=True)
         rows += got
     print()
     print("\n".join(report.summary(rows)))

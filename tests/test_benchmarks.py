@@ -172,7 +172,7 @@ def test_an_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[
     assert captured.out == ""
     assert captured.err.splitlines() == [
         "freplicate bench: error: unknown benchmark 'nonesuch'; "
-        "choose from core, parallel, distributed, compile"
+        "choose from core, parallel, distributed, compile, shard"
     ]
 
 
@@ -184,6 +184,20 @@ def test_help_is_plain_text(args: list[str], capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert out.startswith("usage: freplicate")
     assert "``" not in out and ":func:" not in out and ".. " not in out, out
+
+
+def test_the_shard_benchmark_runs_by_name_with_its_memory_table(tmp_path: Path) -> None:
+    # not in the default run (its full run compiles, and spawns a pair of ranks per side for the
+    # memory figures): its smoke run, on small_mlp without the compiled side
+    run = _freplicate("bench", "shard", "--quick", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (table,) = _tables(run.stdout)
+    measures = {row.split("  ")[0] for row in table[2:]}
+    assert "AdamW step: fr ZeRO-2 / DDP + AdamW" in measures, measures
+    assert "AdamW step: fr ZeRO-2 / DDP + ZeroRedundancyOptimizer" in measures, measures
+    memory = [line for line in run.stdout.splitlines() if line.startswith("fr ZeRO-2 ")]
+    # its optimizer state is half of DDP's on each of the 2 ranks
+    assert memory and "0.500 / 0.500" in memory[0], run.stdout
 
 
 def test_all_reduce_profile_runs() -> None:
