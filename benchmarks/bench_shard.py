@@ -148,7 +148,9 @@ class Zero2:
             mine, m, v = _adamw(mine, [grads[k] for k in names], m, v, t)
             return fr.distributed.all_gather(dict(zip(names, mine)), params), mine, m, v, t
 
-        self.step = torch.compile(step, fullgraph=True) if compiled else step
+        # dynamic=False: the same step's code on another model would retrace with symbolic
+        # sizes, which fr.distributed's traced layout check cannot take (reported)
+        self.step = torch.compile(step, fullgraph=True, dynamic=False) if compiled else step
         # fresh tensors, not views of the parameters: a compiled step would guard on the alias
         self.mine = [t.clone() for t in fr.distributed.shard(self.params).values()]
         self.m = [torch.zeros_like(t) for t in self.mine]

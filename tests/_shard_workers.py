@@ -890,3 +890,43 @@ def zero2_compiled(rank: int) -> dict[str, Any]:
         "eager": train(zero2_step(model)),
         "ddp": stateful(rank, "adamw", True)[:5],
     }
+
+
+@scenario
+def compiled_new_shapes(rank: int) -> Any:
+    """Reported: one compiled function called on a tree of new shapes is retraced with Dynamo's
+    automatic dynamic shapes; the traced layout check then fails in Dynamo itself (symbolic sizes
+    reach ``assume_constant_result``) instead of planning the new layout or raising its
+    "has a dynamic size" TypeError."""
+    torch._dynamo.reset()
+    reduce = torch.compile(lambda t: fr.distributed.all_reduce(t), backend="eager", fullgraph=True)
+    reduce({"dyn": torch.ones(3, 2)})
+    return outcome(lambda: reduce({"dyn": torch.ones(5, 2)}))
+
+
+@scenario
+def zero2_methods_compiled(rank: int) -> dict[str, Any]:
+    """``skip`` (rank 1 has no batch), ``accumulate`` and ``weight=`` with ``shard=True``, each
+    traced whole (``fullgraph=True``), beside the same calls eagerly."""
+    torch._dynamo.reset()
+    model = net()
+    params = fr.state(model).params
+    step = fr.distributed.grad_and_value(loss_of(model), shard=True)
+    weighted = fr.distributed.grad_and_value(
+        loss_of(model), shard=True, weight=lambda p, x, y: x.shape[0]
+    )
+    x, y = batch(rank, 0, [6, 2][rank])
+    micro = micro_of(rank, 0)
+
+    def skip_or_step(p: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        return step.skip(p)[0] if rank == 1 else step(p, x, y)[0]
+
+    calls = {
+        "skip": (skip_or_step, (params, x, y)),
+        "accumulate": (lambda p, m: step.accumulate(p, m)[0], (params, micro)),
+        "weighted": (lambda p, x, y: weighted(p, x, y)[0], (params, x, y)),
+    }
+    return {
+        name: (torch.compile(f, backend="eager", fullgraph=True)(*args), f(*args))
+        for name, (f, args) in calls.items()
+    }

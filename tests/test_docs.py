@@ -26,7 +26,12 @@ sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the h
 from _docs_ranks import ROOT, blocks, run_on_ranks, run_page, runnable
 
 PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
-COLLECTIVE = ["docs/distributed.md", "docs/frozen_parameters.md", "docs/uneven_inputs.md"]
+COLLECTIVE = [
+    "docs/distributed.md",
+    "docs/frozen_parameters.md",
+    "docs/sharding.md",
+    "docs/uneven_inputs.md",
+]
 
 
 def test_the_pages_are_found() -> None:
