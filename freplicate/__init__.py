@@ -12,6 +12,7 @@ torch.Size([3, 2])
 from typing import Any
 
 from . import distributed as distributed
+from ._amp import GradScaler as GradScaler
 from ._apply import apply as apply
 from ._caches import clear_caches as clear_caches
 from ._clip import clip_grad_norm as clip_grad_norm
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 # ``testing`` is left out of ``__all__``: ``from freplicate import *`` must work
 # without its optional ``hypothesis`` dependency (``fr.testing`` still imports it).
 __all__ = [
+    "GradScaler",
     "State",
     "all_reduce",
     "apply",
