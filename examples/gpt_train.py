@@ -73,10 +73,10 @@ class Config:
     batch_size: int = _option(16, "sequences in a micro-batch, on each rank")
     accumulate: int = _option(2, "micro-batches a step (gradient accumulation)")
     # the optimisation
-    steps: int = _option(200, "optimizer steps")
-    lr: float = _option(3e-3, "peak learning rate")
-    min_lr: float = _option(3e-4, "learning rate at the end of the cosine decay")
-    warmup: int = _option(20, "steps of linear warm-up")
+    steps: int = _option(300, "optimizer steps")
+    lr: float = _option(5e-3, "peak learning rate")
+    min_lr: float = _option(5e-4, "learning rate at the end of the cosine decay")
+    warmup: int = _option(30, "steps of linear warm-up")
     weight_decay: float = _option(0.1, "AdamW's decoupled weight decay (>= 2-D tensors only)")
     beta1: float = _option(0.9, "AdamW's beta1")
     beta2: float = _option(0.95, "AdamW's beta2")
@@ -90,7 +90,7 @@ class Config:
     amp: str = _option("none", "autocast dtype for the forward", choices=["none", "bf16"])
     ddp: bool = _option(False, "run the loop on DistributedDataParallel + torch.optim.AdamW")
     # evaluation, sampling, checkpoints
-    eval_every: int = _option(50, "steps between evaluations (and checkpoints)")
+    eval_every: int = _option(100, "steps between evaluations (and checkpoints)")
     eval_batches: int = _option(8, "batches an evaluation averages, on each rank")
     sample_chars: int = _option(200, "characters to generate at the end")
     seed: int = _option(1337, "seed of the initialisation, the data and the dropout")
@@ -204,44 +204,26 @@ def exact_adamw(lr: Schedule, config: Config, decay: dict[str, bool]) -> tuple[I
 
 
 def torchopt_adamw(lr: Schedule, config: Config, decay: dict[str, bool]) -> tuple[Init, Update]:
-    """``torchopt.adamw``, one for the decayed tensors and one for the others (torch's param groups).
+    """``torchopt.adamw(lr, ..., mask=decay)``, spelt out as its own chain of transforms.
 
-    Not one ``torchopt.adamw(mask=decay)``: in torchopt 0.7.3 a mask given as
-    a dict is read as its keys, all true, so every tensor is decayed, without
-    a word; and a mask that does reach it raises (metaopt/torchopt#232). The
-    learning rate is the schedule at torchopt's own step count.
+    Spelt out because ``adamw``'s ``mask`` does not work in torchopt 0.7.3
+    (every tensor is decayed; docs/optimizers.md). The learning rate is the
+    schedule at torchopt's own step count (a 0-dim tensor, 0 at the first step).
     """
     import torchopt
 
-    groups = {
-        name: torchopt.adamw(
-            lr=lambda count: lr(int(count)),
-            betas=(config.beta1, config.beta2),
-            eps=config.eps,
-            weight_decay=wd,
-        )
-        for name, wd in (("decay", config.weight_decay), ("no_decay", 0.0))
-    }
+    tx = torchopt.chain(
+        torchopt.transform.scale_by_adam(b1=config.beta1, b2=config.beta2, eps=config.eps),
+        torchopt.transform.add_decayed_weights(config.weight_decay, mask=decay),
+        torchopt.transform.scale_by_schedule(lambda count: -lr(int(count))),
+    )
 
-    def split(tree: Params) -> dict[str, Params]:
-        return {
-            "decay": {k: t for k, t in tree.items() if decay[k]},
-            "no_decay": {k: t for k, t in tree.items() if not decay[k]},
-        }
+    def update(params: Params, grads: Params, state: Any) -> tuple[Params, Any]:
+        # inplace=False: torchopt's default writes into the state, the gradients and the parameters
+        updates, state = tx.update(grads, state, params=params, inplace=False)
+        return torchopt.apply_updates(params, updates, inplace=False), state
 
-    def init(params: Params) -> dict[str, Any]:
-        return {name: groups[name].init(part) for name, part in split(params).items()}
-
-    def update(params: Params, grads: Params, state: dict[str, Any]) -> tuple[Params, Any]:
-        parts, grad_parts, new, new_state = split(params), split(grads), {}, {}
-        for name, tx in groups.items():
-            updates, new_state[name] = tx.update(
-                grad_parts[name], state[name], params=parts[name], inplace=False
-            )
-            new.update(torchopt.apply_updates(parts[name], updates, inplace=False))
-        return {k: new[k] for k in params}, new_state  # in the parameters' order
-
-    return init, update
+    return tx.init, update
 
 
 # ---------------------------------------------------------------- the two sides of --ddp
@@ -414,18 +396,19 @@ def save(path: str, config: Config, side: Side, step: int) -> None:
     dist.barrier()
 
 
-def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str, Any]:
-    """Train on the ranks of the default process group; what every rank saw, for the tests.
+@dataclass
+class Run:
+    """A run ready to step: its configuration (a checkpoint's, when resuming), data, side, first step."""
 
-    Returns:
-        ``{"first": the first step run (after a resume, the checkpoint's),
-        "loss": this rank's loss at each step, "norm": the gradient norm
-        before clipping, "ms": each step's time on this rank,
-        "eval": [(step, train loss, val loss)], "sample": generated text,
-        "params": the final parameters}``.
-    """
+    config: Config
+    data: Data
+    side: Side
+    first: int
+
+
+def start(config: Config, say: Callable[[str], None]) -> Run:
+    """Build the model and the side, or load them from ``config.resume``; seed this rank's stream."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    say = log if log is not None and rank == 0 else (lambda _: None)
     checkpoint = torch.load(config.resume) if config.resume else None  # weights_only=True
     if checkpoint is not None:
         where = {k: getattr(config, k) for k in _WHERE}
@@ -448,33 +431,47 @@ def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str
     )
     side: Side = Stateful(config, model, data) if config.ddp else Functional(config, model, data)
     torch.manual_seed(config.seed + 1 + rank)  # this rank's stream: its batches, its dropout masks
-    first = 0
-    if checkpoint is not None:
-        side.load(checkpoint)
-        torch.set_rng_state(checkpoint["rng"][rank])
-        first = checkpoint["step"]
-        say(f"resuming {config.resume} at step {first}")
-    else:
+    if checkpoint is None:
         n = sum(p.numel() for p in side.parameters().values())
         say(
             f"{'DDP' if config.ddp else 'freplicate'}, {world} ranks, {n:,} parameters, "
             f"vocabulary of {len(data.vocab)}, optimizer "
             f"{'torch.optim.AdamW' if config.ddp else config.optimizer}"
         )
-    history: dict[str, Any] = {"first": first, "loss": [], "norm": [], "ms": [], "eval": []}
+        return Run(config, data, side, 0)
+    side.load(checkpoint)
+    torch.set_rng_state(checkpoint["rng"][rank])
+    say(f"resuming {config.resume} at step {checkpoint['step']}")
+    return Run(config, data, side, checkpoint["step"])
+
+
+def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """Train on the ranks of the default process group; what every rank saw, for the tests.
+
+    Returns:
+        ``{"first": the first step run (after a resume, the checkpoint's),
+        "loss": this rank's loss at each step, "norm": the gradient norm
+        before clipping, "ms": each step's time on this rank,
+        "eval": [(step, train loss, val loss)], "sample": generated text,
+        "params": the final parameters}``.
+    """
+    rank = dist.get_rank()
+    say = log if log is not None and rank == 0 else (lambda _: None)
+    run = start(config, say)
+    config, data, side = run.config, run.data, run.side
+    history: dict[str, Any] = {"first": run.first, "loss": [], "norm": [], "ms": [], "eval": []}
     lr = schedule(config)
     last = config.steps if config.stop_after is None else min(config.steps, config.stop_after)
-    for it in range(first, last):
-        start = time.perf_counter()
+    for it in range(run.first, last):
+        begin = time.perf_counter()
         loss, norm = side.step()
-        history["ms"].append(1e3 * (time.perf_counter() - start))
+        history["ms"].append(1e3 * (time.perf_counter() - begin))
         history["loss"].append(loss)
         history["norm"].append(norm)
         done = it + 1
-        if done % 10 == 0 or done == first + 1:
-            say(
-                f"step {done}: loss {loss:.4f}, lr {lr(it):.2e}, norm {norm:.3f}, {history['ms'][-1]:.1f} ms"
-            )
+        if done % 10 == 0 or done == run.first + 1:
+            ms = history["ms"][-1]
+            say(f"step {done}: loss {loss:.4f}, lr {lr(it):.2e}, norm {norm:.3f}, {ms:.1f} ms")
         if done % config.eval_every == 0 or done == last:
             losses = evaluate(config, side, data, rank)
             history["eval"].append((done, losses["train"], losses["val"]))

@@ -18,6 +18,7 @@ second job, in fresh processes, resumes from the checkpoints the first wrote.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,13 +39,19 @@ CASES = {
     "dropout": "--dropout 0.1",
     "bf16 autocast": "--dropout 0.1 --amp bf16",
 }
+HAS_TORCHOPT = importlib.util.find_spec("torchopt") is not None
 PATHS = {"exact": EXACT, "torchopt": "--optimizer torchopt", "ddp": "--ddp"}
+if not HAS_TORCHOPT:
+    del PATHS["torchopt"]
+needs_torchopt = pytest.mark.skipif(
+    not HAS_TORCHOPT, reason="torchopt is the optional extra freplicate[optim]"
+)
 STOP = 2  # the resumed runs stop after 2 of the 5 steps
 
-# torchopt.adamw against torch.optim.AdamW at TINY: measured at most 1.2e-07 apart in a
-# parameter and 2.4e-07 in a loss (relative) after 5 steps, dropout on or off
-TORCHOPT_ATOL = 1e-6
-TORCHOPT_RTOL = 1e-5
+# torchopt's AdamW against torch.optim.AdamW at TINY after 5 steps, dropout on or off: measured
+# at most 4.3e-07 apart in a parameter and 7.4e-08 relative in a loss (bf16 autocast: 3.3e-05)
+TORCHOPT_ATOL = 2e-6
+TORCHOPT_RTOL = 1e-6
 
 
 def checkpoint(directory: Path, path: str) -> Path:
@@ -55,7 +62,8 @@ def checkpoint(directory: Path, path: str) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
     directory = tmp_path_factory.mktemp("gpt")
     straight = [f"{side} {case}" for case in CASES.values() for side in (EXACT, "--ddp")]
-    straight += [f"--optimizer torchopt {CASES[c]}" for c in ("no dropout", "dropout")]
+    if HAS_TORCHOPT:
+        straight += [f"--optimizer torchopt {CASES[c]}" for c in ("no dropout", "dropout")]
     stopped = [
         f"{opts} {CASES['dropout']} --stop-after {STOP} --checkpoint {checkpoint(directory, p)}"
         for p, opts in PATHS.items()
@@ -108,6 +116,7 @@ def test_the_comparison_can_fail(runs: dict[str, list[Any]]) -> None:
         assert all(torch.equal(rank0["params"][k], rank1["params"][k]) for k in rank0["params"])
 
 
+@needs_torchopt
 @pytest.mark.parametrize("case", ["no dropout", "dropout"])
 def test_torchopt_is_close_to_ddp_not_equal(runs: dict[str, list[Any]], case: str) -> None:
     opt_ranks = both(runs, f"--optimizer torchopt {CASES[case]}")
