@@ -11,7 +11,8 @@ The same loop on ``DistributedDataParallel`` + ``torch.optim.AdamW`` +
 ``clip_grad_norm_`` (``no_sync`` for accumulation): add ``--ddp``. With
 ``--optimizer exact`` the functional run uses an AdamW written here with
 ``torch.optim.AdamW``'s arithmetic, and trains bit for bit like ``--ddp``;
-the default is ``torchopt.adamw``. ``--help`` lists every option.
+the default is torchopt's AdamW (the ``freplicate[optim]`` extra).
+``--help`` lists every option.
 
 What a step does on the functional side: ``fr.distributed.grad_and_value``
 differentiates the loss (autocast inside it: the backward runs inside the

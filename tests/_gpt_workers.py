@@ -43,4 +43,4 @@ def main(*args: Any) -> None:
 
 def run(names: list[str]) -> dict[str, list[Any]]:
     """``{name: [rank 0's run, rank 1's]}`` for the command lines ``names``, on 2 fresh ranks."""
-    return spawn(names, target=main, pg_timeout=30.0, deadline=120.0)
+    return spawn(names, target=main, pg_timeout=30.0, deadline=180.0)
