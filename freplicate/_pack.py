@@ -23,7 +23,6 @@ from ._torch import transform_level
 __all__ = [
     "Layout",
     "broadcast_coalesced",
-    "buckets",
     "check_packable",
     "group_by",
     "layout_of",
@@ -73,27 +72,6 @@ def group_by(items: Iterable[V], key: Callable[[V], K]) -> dict[K, list[int]]:
 
 def device_dtype(t: torch.Tensor) -> tuple[torch.device, torch.dtype]:
     return t.device, t.dtype
-
-
-def buckets(numels: Sequence[int], itemsize: int, cap_bytes: int) -> list[range]:
-    """Split consecutive tensors into runs whose bytes stay within ``cap_bytes``.
-
-    A tensor larger than the cap gets a bucket of its own (as DDP's buckets).
-
-    >>> buckets([3, 3, 3, 10, 1], itemsize=4, cap_bytes=24)
-    [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
-    """
-    out: list[range] = []
-    start, size = 0, 0
-    for i, n in enumerate(numels):
-        nbytes = n * itemsize
-        if i > start and size + nbytes > cap_bytes:
-            out.append(range(start, i))
-            start, size = i, 0
-        size += nbytes
-    if numels:
-        out.append(range(start, len(numels)))
-    return out
 
 
 def check_packable(

@@ -158,7 +158,8 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     Each tensor is padded with zero rows to a multiple of ``num_chunks``, cut
     into ``num_chunks`` equal chunks of rows, and row ``r`` of ``out`` is the
     concatenation of every tensor's chunk ``r``, flattened (FSDP2's copy-in
-    of a reduce-scatter). The fallback does the same with ``pad`` and ``copy_``.
+    of a reduce-scatter), cast to ``out``'s dtype. The fallback does the same
+    with ``pad`` and ``copy_``.
 
     >>> out = torch.empty(2, 3)
     >>> chunk_cat([torch.arange(3.0), torch.tensor([[7.0], [8.0]])], 2, out)
@@ -166,10 +167,13 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
     tensor([[0., 1., 7.],
             [2., 0., 8.]])
     """
-    if _chunk_cat is not None:
-        _chunk_cat(list(tensors), 0, num_chunks, out=out)
+    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no rows in any chunk
+    if not tensors:
         return
-    start = 0
+    if _chunk_cat is not None and all(t.dtype == out.dtype for t in tensors):
+        _chunk_cat(tensors, 0, num_chunks, out=out)
+        return
+    start = 0  # the fallback, which also casts (booleans travel as uint8)
     for t in tensors:
         rows = t.shape[0]
         c = -(-rows // num_chunks)
@@ -183,37 +187,58 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
 # --- activation checkpointing: does a graph hold a reentrant checkpoint's node? ---
 try:
     from torch.autograd.function import BackwardCFunction as _PythonNode
+except ImportError:  # pragma: no cover - only on a torch that moved it
+    _PythonNode = None  # type: ignore[assignment, misc]
+try:
     from torch.utils.checkpoint import CheckpointFunction as _CheckpointFunction
-except ImportError:  # pragma: no cover - only on a torch that moved them
-    _PythonNode = _CheckpointFunction = None  # type: ignore[assignment, misc]
-FAST_PATHS["reentrant_checkpoint"] = _CheckpointFunction is not None
+except ImportError:  # pragma: no cover - only on a torch that moved it
+    _CheckpointFunction = None  # type: ignore[assignment, misc]
+FAST_PATHS["reentrant_checkpoint"] = _CheckpointFunction is not None and _PythonNode is not None
+
+
+def _python_node(node: Any) -> bool:
+    """Whether ``node`` is a custom ``autograd.Function``'s (a Python-defined node)."""
+    if _PythonNode is not None:
+        return isinstance(node, _PythonNode)
+    return getattr(node, "_forward_cls", None) is not None  # pragma: no cover
 
 
 def is_reentrant_checkpoint(node: Any) -> bool:
-    """Whether ``node`` is the backward node of a ``use_reentrant=True`` checkpoint."""
-    if _PythonNode is None or not isinstance(node, _PythonNode):
+    """Whether ``node`` is the backward node of a ``use_reentrant=True`` checkpoint.
+
+    Raises ``RuntimeError`` at the point of use where this torch has no
+    ``CheckpointFunction`` to compare with: a reentrant checkpoint that fr
+    could not see would leave its parameters without their gradients.
+    """
+    if not _python_node(node):
         return False
     cls = getattr(node, "_forward_cls", None)
+    if _CheckpointFunction is None:
+        raise RuntimeError(
+            "freplicate cannot tell whether the custom autograd Function in fn's graph "
+            f"({getattr(cls, '__name__', node)}) is a reentrant activation checkpoint: this "
+            "torch has no torch.utils.checkpoint.CheckpointFunction; use "
+            "torch.func.grad_and_value, or a torch freplicate supports"
+        )
     return isinstance(cls, type) and issubclass(cls, _CheckpointFunction)
 
 
 def holds_reentrant_checkpoint(value: torch.Tensor) -> bool:
     """Whether ``value``'s autograd graph holds a reentrant checkpoint's node, by type.
 
-    One walk of the graph (about 0.15 us a node). Without torch's classes the
-    answer is ``False``: fr then takes ``.grad()``, and autograd raises its own
-    error where the checkpoint lies below a differentiated leaf ("use_reentrant
-    =True ... incompatible with .grad()").
+    One walk of the graph (about 0.15 us a node). Every call decides on its
+    own graph: a function whose forward checkpoints differently from call
+    to call is seen as it is each time.
     """
     root = value.grad_fn
-    if root is None or _PythonNode is None:
+    if root is None:
         return False
     seen = {root}
     stack = [root]
     pop, push, add = stack.pop, stack.append, seen.add
     while stack:
         node = pop()
-        if isinstance(node, _PythonNode) and is_reentrant_checkpoint(node):
+        if _python_node(node) and is_reentrant_checkpoint(node):
             return True
         for nxt, _ in node.next_functions:
             if nxt is not None and nxt not in seen:
@@ -271,8 +296,9 @@ def resolve_group(name: str) -> Any:
     """The process group named ``name`` (the traced layout check runs on names, not objects)."""
     import torch.distributed as dist
 
-    if name == dist.group.WORLD.group_name:  # type: ignore[union-attr]
-        return dist.group.WORLD
+    world = dist.group.WORLD
+    if world is not None and name == world.group_name:
+        return world
     from torch.distributed import distributed_c10d
 
     resolve = getattr(distributed_c10d, "_resolve_process_group", None)
