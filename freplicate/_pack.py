@@ -18,7 +18,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from ._torch import transform_level
+from ._torch import foreach_add, foreach_add_, is_compiling, transform_level
 
 __all__ = [
     "Layout",
@@ -245,9 +245,9 @@ def reduce_add_coalesced(
     the lists are summed leaf-wise in fused ``_foreach_add`` passes instead.
     """
     if len(tensor_lists) > 1 and _all_local(tensor_lists, device):
-        sums = list(torch._foreach_add(list(tensor_lists[0]), list(tensor_lists[1])))
+        sums = foreach_add(tensor_lists[0], tensor_lists[1])
         for lst in tensor_lists[2:]:
-            torch._foreach_add_(sums, list(lst))  # our own fresh sums
+            foreach_add_(sums, lst)  # our own fresh sums
         return sums
     first = tensor_lists[0]
     # group positions by dtype and by the devices they lie on in every list
@@ -272,8 +272,11 @@ def reduce_add_coalesced(
 
 
 def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> bool:
-    """Every tensor strided, on ``device``, outside autograd and any ``torch.func`` transform."""
-    if transform_level() is not None:
+    """Every tensor strided, on ``device``, eager, outside autograd and any ``torch.func`` transform.
+
+    While Dynamo traces, the packed sum below is the one path (the compiler fuses it).
+    """
+    if is_compiling() or transform_level() is not None:
         return False
     return all(
         t.device == device and t.layout == torch.strided and not t.requires_grad

@@ -27,6 +27,7 @@ __all__ = [
     "engine_grad",
     "foreach_add",
     "foreach_add_",
+    "foreach_div_",
     "foreach_mul",
     "functional_collectives",
     "graph_break",
@@ -117,27 +118,40 @@ def storage_use_count(t: torch.Tensor) -> int | None:
 _foreach_add = getattr(torch, "_foreach_add", None)
 _foreach_add_ = getattr(torch, "_foreach_add_", None)
 _foreach_mul = getattr(torch, "_foreach_mul", None)
-FAST_PATHS["foreach"] = None not in (_foreach_add, _foreach_add_, _foreach_mul)
+_foreach_div_ = getattr(torch, "_foreach_div_", None)
+FAST_PATHS["foreach"] = None not in (_foreach_add, _foreach_add_, _foreach_mul, _foreach_div_)
 
 
 def foreach_add(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1
 ) -> list[torch.Tensor]:
-    """``[x + alpha * y for x, y in zip(a, b)]``, in one fused pass where torch has it."""
+    """``[x + alpha * y for x, y in zip(a, b)]``, in one fused pass where torch has it.
+
+    ``alpha=1`` is not passed on: integer tensors refuse a float one.
+    """
+    kw = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add is not None:
-        return list(_foreach_add(list(a), list(b), alpha=alpha))
-    return [torch.add(x, y, alpha=alpha) for x, y in zip(a, b)]
+        return list(_foreach_add(list(a), list(b), **kw))
+    return [torch.add(x, y, **kw) for x, y in zip(a, b)]
 
 
-def foreach_add_(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
-) -> None:
+def foreach_add_(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1) -> None:
     """``x.add_(y, alpha=alpha)`` for each pair (``a`` holds the caller's own tensors)."""
+    kw = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add_ is not None:
-        _foreach_add_(list(a), list(b), alpha=alpha)
+        _foreach_add_(list(a), list(b), **kw)
         return
     for x, y in zip(a, b):
-        x.add_(y, alpha=alpha)
+        x.add_(y, **kw)
+
+
+def foreach_div_(a: Sequence[torch.Tensor], scalar: float) -> None:
+    """``x.div_(scalar)`` for each (``a`` holds the caller's own tensors)."""
+    if _foreach_div_ is not None:
+        _foreach_div_(list(a), scalar)
+        return
+    for x in a:
+        x.div_(scalar)
 
 
 def foreach_mul(a: Sequence[torch.Tensor], scalar: float) -> list[torch.Tensor]:

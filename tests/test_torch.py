@@ -76,8 +76,13 @@ def test_without_foreach_kernels_the_loops_agree(monkeypatch) -> None:
     fused = (_torch.foreach_add(a, b, alpha=0.5), _torch.foreach_mul(a, 3.0))
     own = [t.clone() for t in a]
     _torch.foreach_add_(own, b, alpha=2.0)
-    for name in ("_foreach_add", "_foreach_add_", "_foreach_mul"):
+    own2 = [t.clone() for t in a]
+    _torch.foreach_div_(own2, 3.0)
+    for name in ("_foreach_add", "_foreach_add_", "_foreach_mul", "_foreach_div_"):
         monkeypatch.setattr(_torch, name, None)
+    looped2 = [t.clone() for t in a]
+    _torch.foreach_div_(looped2, 3.0)
+    assert_same(looped2, own2)
     assert_same((_torch.foreach_add(a, b, alpha=0.5), _torch.foreach_mul(a, 3.0)), fused)
     looped = [t.clone() for t in a]
     _torch.foreach_add_(looped, b, alpha=2.0)
