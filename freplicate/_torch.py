@@ -23,15 +23,19 @@ import torch
 __all__ = [
     "FAST_PATHS",
     "assume_constant_result",
+    "aten_op",
     "chunk_cat",
     "engine_grad",
     "foreach_add",
     "foreach_add_",
     "foreach_div_",
     "foreach_mul",
+    "foreach_norm",
+    "foreach_supported",
     "functional_collectives",
     "graph_break",
     "group_store",
+    "groups_by_device_and_dtype",
     "is_compiling",
     "holds_reentrant_checkpoint",
     "is_reentrant_checkpoint",
@@ -129,7 +133,7 @@ def foreach_add(
 
     ``alpha=1`` is not passed on: integer tensors refuse a float one.
     """
-    kw = {} if alpha == 1 else {"alpha": alpha}
+    kw: dict[str, Any] = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add is not None:
         return list(_foreach_add(list(a), list(b), **kw))
     return [torch.add(x, y, **kw) for x, y in zip(a, b)]
@@ -137,7 +141,7 @@ def foreach_add(
 
 def foreach_add_(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1) -> None:
     """``x.add_(y, alpha=alpha)`` for each pair (``a`` holds the caller's own tensors)."""
-    kw = {} if alpha == 1 else {"alpha": alpha}
+    kw: dict[str, Any] = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add_ is not None:
         _foreach_add_(list(a), list(b), **kw)
         return
@@ -154,11 +158,63 @@ def foreach_div_(a: Sequence[torch.Tensor], scalar: float) -> None:
         x.div_(scalar)
 
 
-def foreach_mul(a: Sequence[torch.Tensor], scalar: float) -> list[torch.Tensor]:
+def foreach_mul(a: Sequence[torch.Tensor], scalar: Any) -> list[torch.Tensor]:
     """``[x * scalar for x in a]``, in one fused pass where torch has it."""
     if _foreach_mul is not None:
         return list(_foreach_mul(list(a), scalar))
     return [x * scalar for x in a]
+
+
+# --- clip_grad_norm_'s groups and norms, in torch's own order ---
+try:
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype as _group
+    from torch.utils._foreach_utils import _has_foreach_support as _foreach_ok
+except ImportError:  # pragma: no cover - only on a torch that moved them
+    _group = _foreach_ok = None  # type: ignore[assignment]
+_foreach_norm = getattr(torch, "_foreach_norm", None)
+FAST_PATHS["clip_groups"] = _group is not None and _foreach_ok is not None
+FAST_PATHS["foreach_norm"] = _foreach_norm is not None
+
+
+def groups_by_device_and_dtype(
+    tensors: Sequence[torch.Tensor],
+) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """``tensors`` split by (device, dtype), with their positions, in torch's order of groups.
+
+    ``clip_grad_norm_`` sums the groups' norms in that order (a C++ hash
+    map's). The fallback takes them in order of first appearance: the same
+    norms, and with a single (device, dtype), the same total; with several,
+    its last bit may differ from torch's.
+    """
+    if _group is not None:
+        found = _group([list(tensors)], True).values()
+        return [(list(lists[0]), list(idx)) for lists, idx in found]  # type: ignore[misc, arg-type]
+    by: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for k, t in enumerate(tensors):
+        group = by.setdefault((t.device, t.dtype), ([], []))
+        group[0].append(t)
+        group[1].append(k)
+    return list(by.values())
+
+
+def foreach_supported(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's foreach kernels take ``tensors`` (``clip_grad_norm_``'s own test)."""
+    return _foreach_ok is not None and bool(_foreach_ok(list(tensors), tensors[0].device))
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """The ``p``-norm of each tensor (``torch._foreach_norm``; ``vector_norm`` one by one else)."""
+    if _foreach_norm is not None:
+        return list(_foreach_norm(list(tensors), p))
+    return [torch.linalg.vector_norm(t, p) for t in tensors]
+
+
+def aten_op(name: str, caller: str) -> Any:
+    """``torch.ops.aten.<name>`` (GradScaler's kernels), or an error naming it and ``caller``."""
+    op = getattr(torch.ops.aten, name, None)
+    if op is None:
+        raise RuntimeError(f"{caller}: this torch has no torch.ops.aten.{name}, which GradScaler uses")
+    return op
 
 
 # --- FSDP2's copy-in: tensors cut into row chunks, one per rank, laid out rank-major ---

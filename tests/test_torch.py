@@ -160,3 +160,17 @@ def test_without_graph_break_the_error_is_still_raised(monkeypatch) -> None:
 
     monkeypatch.delattr(torch._dynamo, "graph_break")
     _torch.graph_break("no break to make")  # returns: the caller raises its error itself
+
+
+def test_without_torchs_clip_groups_a_single_group_clips_alike(monkeypatch) -> None:
+    grads = {"a": torch.randn(3, 3), "b": torch.randn(4)}
+    want = fr.clip_grad_norm(grads, 0.5)
+    monkeypatch.setattr(_torch, "_group", None)
+    monkeypatch.setattr(_torch, "_foreach_ok", None)
+    monkeypatch.setattr(_torch, "_foreach_norm", None)
+    assert_same(fr.clip_grad_norm(grads, 0.5), want)  # one (device, dtype): the same bits
+
+
+def test_without_a_gradscaler_kernel_the_scaler_names_it(monkeypatch) -> None:
+    with pytest.raises(RuntimeError, match=r"^fr\.GradScaler: this torch has no torch\.ops\.aten\.no_such_op"):
+        _torch.aten_op("no_such_op", "fr.GradScaler")
