@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-BENCHMARKS = ("core", "parallel", "distributed", "compile")  # benchmarks/bench_<name>.py
-# compile takes minutes of compiling: run it by name
-DEFAULT = ("core", "parallel", "distributed")
+# benchmarks/bench_<name>.py
+BENCHMARKS = ("core", "parallel", "distributed", "import", "compile", "example")
+# compile and example take minutes of compiling: run them by name
+DEFAULT = ("core", "parallel", "distributed", "import")
 
 
 class _Parser(argparse.ArgumentParser):
