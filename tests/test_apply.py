@@ -259,10 +259,10 @@ def test_modules_built_between_calls_change_nothing() -> None:
         lambda p: nn.MSELoss()(torch.func.functional_call(model, p, (x,)), torch.zeros(2, 3))
     )(params)
     fr.grad_and_value(loss)(params)
-    binder = _apply._BINDERS[model]
+    plan = _apply._PLANS[model]
     got = fr.grad_and_value(loss)(params)
     torch.testing.assert_close(got, expected)
-    assert _apply._BINDERS[model] is binder  # the modules built in between kept the cache
+    assert _apply._PLANS[model] is plan  # the modules built in between kept the cache
 
 
 class SelfHooked(nn.Linear):
@@ -291,9 +291,9 @@ def test_clear_caches_drops_the_structure_cache() -> None:
 
     model = nn.Linear(2, 2)
     fr.apply(model, fr.state(model), torch.ones(1, 2))
-    assert model in _apply._BINDERS
+    assert model in _apply._PLANS
     fr.clear_caches()
-    assert model not in _apply._BINDERS
+    assert model not in _apply._PLANS
     out, _ = fr.apply(model, fr.state(model), torch.ones(1, 2))  # rebuilt
     torch.testing.assert_close(out, model(torch.ones(1, 2)))
 
