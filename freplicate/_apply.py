@@ -244,7 +244,15 @@ class _Plan:
                 for t in (*m._parameters.values(), *m._buffers.values())
             )
         ]
-        self.special = [_special_attributes(layout, i, mods[i]) for i in copied]
+        self.where = [_name(layout.prefixes[i][:-1]) for i in copied]
+        self.special = [
+            []
+            if _torch.compiled_module(m) is not None  # made afresh for each call
+            else [
+                key for key, v in m.__dict__.items() if _attribute_kind(where, key, v, m.__dict__)
+            ]
+            for m, where in zip(originals, self.where)
+        ]
         self.rebinds = [k for k, keys in enumerate(self.special) if keys]
         self.compiled: list[tuple[int, int, Callable[[nn.Module], nn.Module]]] = []
         for k, m in enumerate(originals):
@@ -283,34 +291,32 @@ class _Plan:
         return dicts
 
 
-def _special_attributes(layout: _Layout, i: int, m: nn.Module) -> list[str]:
-    """The instance attributes of ``m`` that a copy must not take as they are.
+def _attribute_kind(where: str, key: str, value: Any, owner: dict[str, Any]) -> str | None:
+    """How a copy takes its original's instance attribute ``key``: as it is (``None``), or not.
 
-    A method bound to ``m`` itself (``m.forward = m.other``) is bound to the
-    copy instead; ``module.compile()``'s compiled ``_call_impl`` is dropped
-    (the copy runs uncompiled, as a deep copy of the module does). Any other
-    wrapper of ``m``'s own method, and an instance-level ``forward`` of any
-    other kind (a closure, a partial: it may compute with ``m``'s own
-    tensors), is refused.
+    ``owner`` is the original's attribute dict. A method bound to the original
+    itself (``m.forward = m.other``) is bound to the copy instead
+    (``"method"``); ``module.compile()``'s compiled ``_call_impl`` is dropped,
+    so that the copy runs uncompiled as a deep copy of the module does
+    (``"compiled"``). Any other wrapper of the original's own method, and an
+    instance-level ``forward`` of any other kind (a closure, a partial: it may
+    compute with the original's own tensors), is refused.
     """
-    if _torch.compiled_module(m) is not None:
-        return []
-    keys = []
-    for key, value in m.__dict__.items():
-        if isinstance(value, types.MethodType) and value.__self__ is m:
-            keys.append(key)
-            continue
-        wrapped = getattr(value, "__wrapped__", None)
-        if key == _torch.COMPILED_CALL and value is not None:
-            keys.append(key)
-        elif (isinstance(wrapped, types.MethodType) and wrapped.__self__ is m) or key == "forward":
-            raise TypeError(
-                f"{_CALLER}: {_name(layout.prefixes[i][:-1])}.{key} is set on the module object "
-                f"({type(value).__name__}) and may compute with the module's own tensors, which "
-                "fr.apply cannot rebind; define it as a method of the class (to compile, "
-                "torch.compile the function that calls fr.apply)"
-            )
-    return keys
+    if isinstance(value, types.MethodType) and getattr(value.__self__, "__dict__", None) is owner:
+        return "method"
+    if key == _torch.COMPILED_CALL:
+        return None if value is None else "compiled"
+    wrapped = getattr(value, "__wrapped__", None)
+    if key == "forward" or (
+        isinstance(wrapped, types.MethodType)
+        and getattr(wrapped.__self__, "__dict__", None) is owner
+    ):
+        raise TypeError(
+            f"{_CALLER}: {where}.{key} is set on the module object ({type(value).__name__}) and "
+            "may compute with the module's own tensors, which fr.apply cannot rebind; define it "
+            "as a method of the class (to compile, torch.compile the function that calls fr.apply)"
+        )
+    return None
 
 
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
@@ -365,9 +371,10 @@ def _bind(
         copy_dict = copies[k].__dict__
         for key in plan.special[k]:
             value = copy_dict[key]
-            if isinstance(value, types.MethodType):
+            kind = _attribute_kind(plan.where[k], key, value, dicts[k])
+            if kind == "method":
                 copy_dict[key] = types.MethodType(value.__func__, copies[k])
-            else:  # module.compile()'s code runs on the original: the copy runs uncompiled
+            elif kind == "compiled":
                 copy_dict[key] = None
     for k, inner, wrap in plan.compiled:
         wrapper = copies[k] = wrap(copies[inner])
