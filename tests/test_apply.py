@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import freplicate as fr
@@ -199,17 +200,6 @@ def test_compiled_module_uses_the_state() -> None:
     assert all(p.grad is None for p in plain.parameters())
 
 
-class Counting:
-    """A ``torch.compile`` backend that runs the captured graph and counts compilations."""
-
-    def __init__(self) -> None:
-        self.graphs = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        self.graphs += 1
-        return gm.forward
-
-
 def _compiled(how: str, backend: Any) -> nn.Module:
     """A model compiled as users compile: whole or a submodule, wrapped or in place."""
     torch.manual_seed(0)
@@ -232,7 +222,7 @@ def _compiled(how: str, backend: Any) -> nn.Module:
 def test_compiled_modules_and_submodules_compute_with_the_state(how: str) -> None:
     # a copy of a compiled (sub)module ran the compiled code of the original, on its tensors
     torch._dynamo.reset()
-    backend = Counting()
+    backend = CompileCounter()  # counts the graphs it compiles, runs them as captured
     model = _compiled(how, backend)
     x = torch.randn(5, 3)
     for by in (0.5, -0.25, 1.0):  # new parameter tensors each call: compiled once for all
@@ -243,7 +233,7 @@ def test_compiled_modules_and_submodules_compute_with_the_state(how: str) -> Non
         want = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
         torch.testing.assert_close(grads, want)
     if how.startswith("torch.compile"):  # fr.apply runs the compiled code, not its original
-        assert backend.graphs == 2, backend.graphs  # one graph without grad, one with
+        assert backend.frame_count == 2, backend.frame_count  # one without grad, one with
     assert all(p.grad is None for p in model.parameters())
 
 

@@ -2,9 +2,10 @@
 
 Each row of the table in docs/apply.md is a test run in both modes:
 ``eager`` (``fr.apply`` itself) and ``compiled`` (a function that calls
-``fr.apply``, compiled with ``torch.compile(..., fullgraph=True)`` by a
-backend that counts its graphs and runs them as Dynamo's ``"eager"``
-backend does, so that a call that fell back to eager code fails the test).
+``fr.apply``, compiled with ``torch.compile(..., fullgraph=True)`` by
+Dynamo's ``CompileCounter``, which runs the captured graph as the ``"eager"``
+backend does and counts the graphs, so that a call that fell back to eager
+code fails the test).
 The references are the stateful module (a deep copy holding the state's
 values, driven as PyTorch drives it) and ``torch.func.functional_call`` on
 the same inputs. An error is the same exception eager and under
@@ -23,21 +24,11 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 
 import freplicate as fr
 
 MODES = ["eager", "compiled"]
-
-
-class Graphs:
-    """A ``torch.compile`` backend that runs the graph as captured and counts the graphs."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Callable[..., Any]:
-        self.count += 1
-        return gm.forward
 
 
 def run(mode: str, module: nn.Module, state: fr.State, *args: Any, **kwargs: Any) -> Any:
@@ -45,13 +36,13 @@ def run(mode: str, module: nn.Module, state: fr.State, *args: Any, **kwargs: Any
     if mode == "eager":
         return fr.apply(module, state, *args, **kwargs)
     torch._dynamo.reset()  # a trace of its own, never a cache entry of another test's module
-    graphs = Graphs()
+    graphs = CompileCounter()  # counts the graphs it compiles, runs them as captured
 
     def step(state: fr.State, args: Any, kwargs: Any) -> Any:
         return fr.apply(module, state, *args, **kwargs)
 
     out = torch.compile(step, backend=graphs, fullgraph=True)(state, args, kwargs)
-    assert graphs.count == 1, f"{graphs.count} graphs"
+    assert graphs.frame_count == 1, f"{graphs.frame_count} graphs"
     return out
 
 
