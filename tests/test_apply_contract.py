@@ -430,3 +430,16 @@ def test_without_fullgraph_a_compiled_call_raises_the_eager_exception(
     step = torch.compile(lambda s, x: fr.apply(m, s, x), backend="eager")
     with pytest.raises(kind, match=re.escape(pattern)):
         step(make(m, fr.state(m)), X)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_parametrized_module_binds_the_parametrization_s_tensors(mode: str) -> None:
+    from torch.nn.utils import parametrizations
+
+    m = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrizations.weight_norm(m[0])
+    s = shifted(m, 0.3)
+    assert "0.parametrizations.weight.original0" in s.params
+    out, _ = run(mode, m, s, X)
+    torch.testing.assert_close(out, torch.func.functional_call(m, s.params, (X,)))
+    torch.testing.assert_close(out, holding(m, s.params)(X))
