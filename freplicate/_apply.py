@@ -220,6 +220,7 @@ class _Plan:
         self.refs = [weakref.ref(m) for m in originals]
         self.classes = [type(m) for m in originals]
         self.param_names = layout.param_names
+        self.buffer_names = frozenset(layout.buffer_names) - layout.param_names
         self.param_slots = [(at[i], key, name) for i, key, name in layout.param_slots]
         self.buffer_slots = [(at[i], key, name) for i, key, name in layout.buffer_slots]
         self.kids = [[(key, at[j]) for key, j in layout.children[i] if needs[j]] for i in copied]
@@ -337,12 +338,17 @@ def _plan(module: nn.Module, *, fresh: bool = False) -> tuple[_Plan, list[dict[s
 
 
 def _bind(
-    plan: _Plan, dicts: list[dict[str, Any]], values: Mapping[str, Any]
+    plan: _Plan,
+    dicts: list[dict[str, Any]],
+    values: Mapping[str, Any],
+    buffer_values: Mapping[str, Any],
 ) -> tuple[Callable[..., Any], list[dict[str, Any]]]:
-    """New copies of the plan's modules with ``values`` bound: the call, and each copy's buffers.
+    """New copies of the plan's modules with the state bound: the call, and each copy's buffers.
 
-    ``values`` maps canonical names to tensors; a name it lacks keeps the
-    module's own tensor (a buffer: a clone of it, as every buffer is cloned).
+    ``values`` and ``buffer_values`` map canonical names to the parameters'
+    and the buffers' tensors (one dict for both, once resolved); a name
+    they lack keeps the module's own tensor (a buffer: a clone of it, as
+    every buffer is cloned).
     """
     copies = [cls.__new__(cls) for cls in plan.classes]
     params = [p.copy() for p in plan.param_dicts]  # the originals' as they are (just checked)
@@ -355,7 +361,7 @@ def _bind(
     for k, key, name in plan.buffer_slots:
         clone = clones.get(name)
         if clone is None:
-            value = values.get(name)
+            value = buffer_values.get(name)
             clone = clones[name] = (buffers[k][key] if value is None else value).clone()
         buffers[k][key] = clone
     for copy, d, p, b, kids in zip(copies, dicts, params, buffers, plan.kids):
@@ -443,18 +449,18 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     if _torch.is_compiling():
         return _traced(module, params, buffers, args, kwargs)
     plan, dicts = _plan(module)
-    if not buffers and params.keys() == plan.param_names:
-        values = params  # every parameter under its first name, as fr.state gives them
+    if params.keys() == plan.param_names and buffers.keys() <= plan.buffer_names:
+        values, buffer_values = params, buffers  # the names fr.state gives: nothing to resolve
     else:
         try:
-            values = _resolve(plan.layout, params, buffers)
+            values = buffer_values = _resolve(plan.layout, params, buffers)
         except KeyError:
             # perhaps a name of a module the plan does not watch (a tensorless one that
             # gained a tensor): read the module afresh before saying so
             plan, dicts = _plan(module, fresh=True)
-            values = _resolve(plan.layout, params, buffers)
+            values = buffer_values = _resolve(plan.layout, params, buffers)
     try:
-        call, buffer_dicts = _bind(plan, dicts, values)
+        call, buffer_dicts = _bind(plan, dicts, values, buffer_values)
         del dicts
         out = call(*args, **kwargs)
     except Exception:
