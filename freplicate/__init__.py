@@ -12,8 +12,10 @@ torch.Size([3, 2])
 from typing import Any
 
 from . import distributed as distributed
+from ._amp import GradScaler as GradScaler
 from ._apply import apply as apply
 from ._caches import clear_caches as clear_caches
+from ._clip import clip_grad_norm as clip_grad_norm
 from ._grad import grad_and_value as grad_and_value
 from ._parallel import all_reduce as all_reduce
 from ._parallel import data_parallel as data_parallel
@@ -32,10 +34,12 @@ __version__ = "0.1.0"
 # ``testing`` is left out of ``__all__``: ``from freplicate import *`` must work
 # without its optional ``hypothesis`` dependency (``fr.testing`` still imports it).
 __all__ = [
+    "GradScaler",
     "State",
     "all_reduce",
     "apply",
     "clear_caches",
+    "clip_grad_norm",
     "combine",
     "data_parallel",
     "data_parallel_grad",

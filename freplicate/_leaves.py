@@ -8,6 +8,11 @@ small contiguous tensors of one shape, dtype and device into one stacked
 leaf instead; ``fn`` sees its ``unbind`` views, and the stack's gradient
 holds theirs. ``fr.distributed.grad_and_value`` stacks per bucket run, so a
 run's gradient fills its part of a bucket in one copy.
+
+A stack cannot take a sparse gradient (``nn.Embedding(sparse=True)``), and
+nothing tells before the backward pass that one will come: a pre-hook on
+each stack's ``unbind`` node raises ``SparseInStack``, our own signal, when
+one does, and the caller runs ``fn`` again without stacks (``_autodiff``).
 """
 
 from __future__ import annotations
@@ -22,7 +27,16 @@ import torch
 from . import _caches
 from ._tree import picker
 
-__all__ = ["PLAIN", "STACK_NUMEL", "UNSTACKED", "Leaves", "leaves_for", "stack_groups", "unstack"]
+__all__ = [
+    "PLAIN",
+    "STACK_NUMEL",
+    "UNSTACKED",
+    "Leaves",
+    "SparseInStack",
+    "leaves_for",
+    "stack_groups",
+    "unstack",
+]
 
 _REQUIRES_GRAD_ = torch.Tensor.requires_grad_
 _DETACH = torch.Tensor.detach
@@ -35,6 +49,21 @@ STACK_NUMEL = 4096
 _STACK_MIN_TENSORS = 8
 PLAIN = frozenset({torch.Tensor, torch.nn.Parameter})
 _LAYOUT_CACHE_SIZE = 16
+_STRIDED = torch.strided
+
+
+class SparseInStack(Exception):
+    """A stacked leaf's view got a sparse gradient, which the stack's backward cannot take.
+
+    Raised from the stack's own backward pre-hook, before autograd tries;
+    the caller differentiates again with one leaf a tensor (``unstack``).
+    """
+
+
+def _refuse_sparse(grads: tuple[torch.Tensor | None, ...]) -> None:
+    for g in grads:
+        if g is not None and g.layout is not _STRIDED:
+            raise SparseInStack
 
 
 class Leaves:
@@ -104,7 +133,11 @@ class Leaves:
                     if not _contiguous(members):
                         return None
                     leaf = torch.stack(members).requires_grad_()
-                    views += leaf.unbind(0)
+                    unbound = leaf.unbind(0)
+                    node = unbound[0].grad_fn
+                    assert node is not None  # a view of a stack that requires grad
+                    node.register_prehook(_refuse_sparse)
+                    views += unbound
                 diff.append(leaf)
         return diff, self.reorder(views)
 

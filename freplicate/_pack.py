@@ -1,8 +1,7 @@
 """The one coalescing engine: tensors -> flat buffers per (device, dtype) -> views.
 
-Every operation that moves or reduces many tensors at once (``replicate``,
-``all_reduce`` in one process, ``fr.distributed.broadcast`` / ``all_reduce``)
-goes through here, so that a tree of 400 small tensors costs a handful of
+Every operation that moves or reduces many tensors at once in one process
+(``replicate``, ``scatter``/``gather``, ``all_reduce``) goes through here, so that a tree of 400 small tensors costs a handful of
 copies instead of 400. Packing is plain differentiable tensor ops (``cat``,
 ``to``, ``split``, ``view``), so it composes with autograd and ``torch.func``
 without a custom ``autograd.Function``.
@@ -19,7 +18,7 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from ._torch import storage_use_count, transform_level
+from ._torch import transform_level
 
 __all__ = [
     "Layout",
@@ -303,141 +302,3 @@ def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.dev
         for lst in tensor_lists
         for t in lst
     )
-
-
-# --- Flat buffers reused across calls (fr.distributed) -----------------------------------
-# For fr.distributed's buckets: a collective reduces a flat buffer in
-# place, and handing its views out as results is the cheapest way back to a
-# tree; a fresh buffer per call costs page faults on large trees. A pool
-# reuses a buffer only once no tensor outside the pool shares its storage.
-# Consecutive tensors of one shape form a *run*, packed by one ``torch.stack``
-# and viewed back by one ``unbind``: a few C++ calls for hundreds of tensors.
-
-
-def runs_of(shapes: Sequence[torch.Size]) -> list[tuple[torch.Size, int]]:
-    """``(shape, count)`` for each run of consecutive equal shapes.
-
-    >>> runs_of([torch.Size([2]), torch.Size([2]), torch.Size([3, 1])])
-    [(torch.Size([2]), 2), (torch.Size([3, 1]), 1)]
-    """
-    out: list[tuple[torch.Size, int]] = []
-    for s in shapes:
-        if out and out[-1][0] == s:
-            out[-1] = (s, out[-1][1] + 1)
-        else:
-            out.append((s, 1))
-    return out
-
-
-class FlatPool:
-    """Flat buffers for one list of shapes, each reused only when nothing outside the pool holds it.
-
-    ``take()`` returns ``(flat, runs)``: ``runs`` are the pool's own views
-    of ``flat``, one ``(count, *shape)`` view per run of equal shapes.
-    ``pack(runs, parts)`` copies tensors in (casting to the pool's dtype),
-    one part per run: its tensors, or one tensor holding them stacked;
-    ``views(runs)`` makes fresh per-tensor views to hand out as results.
-    Those keep their buffer *busy* until they, and every view or autograd
-    record made from them, are gone; then it is *spare*, and a later
-    ``take()`` hands it out again. The pool keeps at most ``keep`` buffers
-    and, beyond the busy ones, at most one spare: ``take()`` lets go of any
-    other (a loop that holds one result while it asks for the next
-    alternates between two buffers; one that drops them all keeps one).
-    ``clear()`` lets go of all of them. ``extra`` spare elements follow the
-    tensors' at the end of every buffer: the caller's own (``flat[-extra:]``),
-    never packed nor viewed by the pool.
-
-    >>> pool = FlatPool([torch.Size([2]), torch.Size([2]), torch.Size([])], torch.float32, "cpu")
-    >>> a, runs = pool.take()
-    >>> pool.pack(runs, [[torch.ones(2), torch.zeros(2)], torch.tensor([5.0])])
-    >>> result = pool.views(runs)  # handed out: a is busy
-    >>> result
-    [tensor([1., 1.]), tensor([0., 0.]), tensor(5.)]
-    >>> pool.take()[0].data_ptr() != a.data_ptr()
-    True
-    >>> del result
-    >>> pool.take()[0].data_ptr() == a.data_ptr()
-    True
-    """
-
-    def __init__(
-        self,
-        shapes: Sequence[torch.Size],
-        dtype: torch.dtype,
-        device: torch.device | str,
-        *,
-        keep: int = 3,
-        extra: int = 0,
-    ) -> None:
-        self.runs = runs_of(shapes)
-        self.numel = sum(s.numel() * k for s, k in self.runs) + extra
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.keep = keep if storage_use_count(torch.empty(0)) is not None else 0
-        # (buffer, its runs, the use count of its storage when nothing outside the pool holds it)
-        self.entries: list[tuple[torch.Tensor, list[torch.Tensor], int | None]] = []
-
-    @staticmethod
-    def _uses(flat: torch.Tensor) -> int | None:
-        return storage_use_count(flat)
-
-    def take(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        spare = None
-        kept = []
-        for entry in self.entries:
-            if self._uses(entry[0]) != entry[2]:
-                kept.append(entry)  # busy: a result still views it
-            elif spare is None:
-                spare = entry
-                kept.append(entry)
-            # else a second spare buffer: let it go (one spare at most)
-        if len(kept) != len(self.entries):
-            self.entries = kept
-        if spare is not None:
-            return spare[0], spare[1]
-        flat = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        runs, offset = [], 0
-        for shape, count in self.runs:
-            n = shape.numel() * count
-            runs.append(flat[offset : offset + n].view(count, *shape))
-            offset += n
-        if len(self.entries) < self.keep:
-            self.entries.append((flat, runs, self._uses(flat)))
-        return flat, runs
-
-    def clear(self) -> None:
-        """Let go of every buffer (results still held keep theirs alive, as any tensor)."""
-        self.entries = []
-
-    def pack(
-        self,
-        runs: Sequence[torch.Tensor],
-        parts: Sequence[torch.Tensor | Sequence[torch.Tensor]],
-        *,
-        div: int = 1,
-    ) -> None:
-        """Copy ``parts`` (one per run: its tensors, or them already stacked) into ``runs``' buffer.
-
-        With ``div``, the buffer receives ``tensor / div`` (a mean's division,
-        done in the same pass as the copy where a run comes in one tensor).
-        """
-        with torch.no_grad():
-            for run, part in zip(runs, parts):
-                if isinstance(part, torch.Tensor):
-                    if div != 1:
-                        torch.div(part, div, out=run)
-                    else:
-                        run.copy_(part)
-                elif len(part) == 1 and div != 1:
-                    torch.div(part[0], div, out=run[0])
-                else:
-                    torch.stack(list(part), out=run)
-                    if div != 1:
-                        run.div_(div)
-
-    @staticmethod
-    def views(runs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Fresh views of the buffer of ``runs``, one per tensor, in order."""
-        if len(runs) == 1:
-            return list(runs[0].unbind(0))
-        return [v for run in runs for v in run.unbind(0)]

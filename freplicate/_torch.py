@@ -2,9 +2,15 @@
 
 PyTorch may move or change these between releases. Each is looked up once,
 here; where it is missing or its signature changed, freplicate takes a
-slower public path instead of failing at import or on every call.
+slower public path instead of failing at import or on every call, or,
+where no public path gives the same answer, raises an error that names what
+is missing at the point of use (never a silently different result).
 ``FAST_PATHS`` says which are on, and a test asserts that all of them are on
-the pinned torch (so a fast path never goes silently off).
+the pinned torch (so a fast path never goes silently off); another takes
+each away in turn and checks its fallback.
+
+Nothing of the compiler is imported here: the traced collectives and
+Dynamo's helpers are looked up on first use, while ``torch.compile`` traces.
 """
 
 from __future__ import annotations
@@ -18,9 +24,22 @@ import torch
 __all__ = [
     "COMPILED_CALL",
     "FAST_PATHS",
+    "assume_constant_result",
+    "chunk_cat",
     "compiled_module",
     "engine_grad",
+    "foreach_add",
+    "foreach_add_",
+    "foreach_mul",
+    "functional_collectives",
+    "graph_break",
+    "group_store",
     "is_compiling",
+    "holds_reentrant_checkpoint",
+    "is_reentrant_checkpoint",
+    "leaves_outside",
+    "optimized_module_class",
+    "resolve_group",
     "storage_use_count",
     "transform_level",
 ]
@@ -96,6 +115,212 @@ def storage_use_count(t: torch.Tensor) -> int | None:
     except (TypeError, AttributeError, RuntimeError):  # pragma: no cover
         FAST_PATHS["storage_use_count"] = False
         return None
+
+
+# --- the foreach kernels (one fused pass over a list of tensors) ---
+_foreach_add = getattr(torch, "_foreach_add", None)
+_foreach_add_ = getattr(torch, "_foreach_add_", None)
+_foreach_mul = getattr(torch, "_foreach_mul", None)
+FAST_PATHS["foreach"] = None not in (_foreach_add, _foreach_add_, _foreach_mul)
+
+
+def foreach_add(
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
+) -> list[torch.Tensor]:
+    """``[x + alpha * y for x, y in zip(a, b)]``, in one fused pass where torch has it."""
+    if _foreach_add is not None:
+        return list(_foreach_add(list(a), list(b), alpha=alpha))
+    return [torch.add(x, y, alpha=alpha) for x, y in zip(a, b)]
+
+
+def foreach_add_(
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
+) -> None:
+    """``x.add_(y, alpha=alpha)`` for each pair (``a`` holds the caller's own tensors)."""
+    if _foreach_add_ is not None:
+        _foreach_add_(list(a), list(b), alpha=alpha)
+        return
+    for x, y in zip(a, b):
+        x.add_(y, alpha=alpha)
+
+
+def foreach_mul(a: Sequence[torch.Tensor], scalar: float) -> list[torch.Tensor]:
+    """``[x * scalar for x in a]``, in one fused pass where torch has it."""
+    if _foreach_mul is not None:
+        return list(_foreach_mul(list(a), scalar))
+    return [x * scalar for x in a]
+
+
+# --- FSDP2's copy-in: tensors cut into row chunks, one per rank, laid out rank-major ---
+_chunk_cat = getattr(torch, "_chunk_cat", None)
+FAST_PATHS["chunk_cat"] = _chunk_cat is not None
+
+
+def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tensor) -> None:
+    """Write ``tensors`` into ``out`` (``num_chunks`` rows) as ``torch._chunk_cat(dim=0)`` does.
+
+    Each tensor is padded with zero rows to a multiple of ``num_chunks``, cut
+    into ``num_chunks`` equal chunks of rows, and row ``r`` of ``out`` is the
+    concatenation of every tensor's chunk ``r``, flattened (FSDP2's copy-in
+    of a reduce-scatter), cast to ``out``'s dtype. The fallback does the same
+    with ``pad`` and ``copy_``.
+
+    >>> out = torch.empty(2, 3)
+    >>> chunk_cat([torch.arange(3.0), torch.tensor([[7.0], [8.0]])], 2, out)
+    >>> out
+    tensor([[0., 1., 7.],
+            [2., 0., 8.]])
+    """
+    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no rows in any chunk
+    if not tensors:
+        return
+    if _chunk_cat is not None and all(t.dtype == out.dtype for t in tensors):
+        _chunk_cat(tensors, 0, num_chunks, out=out)
+        return
+    start = 0  # the fallback, which also casts (booleans travel as uint8)
+    for t in tensors:
+        rows = t.shape[0]
+        c = -(-rows // num_chunks)
+        flat = t.reshape(rows, -1)
+        padded = torch.nn.functional.pad(flat, (0, 0, 0, c * num_chunks - rows))
+        width = c * flat.shape[1]
+        out[:, start : start + width].copy_(padded.reshape(num_chunks, width))
+        start += width
+
+
+# --- activation checkpointing: does a graph hold a reentrant checkpoint's node? ---
+try:
+    from torch.autograd.function import BackwardCFunction as _PythonNode
+    from torch.utils.checkpoint import CheckpointFunction as _CheckpointFunction
+except ImportError:  # pragma: no cover - only on a torch that moved them
+    _PythonNode = _CheckpointFunction = None  # type: ignore[assignment, misc]
+FAST_PATHS["reentrant_checkpoint"] = _CheckpointFunction is not None
+
+
+def is_reentrant_checkpoint(node: Any) -> bool:
+    """Whether ``node`` is the backward node of a ``use_reentrant=True`` checkpoint."""
+    if _PythonNode is None or not isinstance(node, _PythonNode):
+        return False
+    cls = getattr(node, "_forward_cls", None)
+    return isinstance(cls, type) and issubclass(cls, _CheckpointFunction)
+
+
+def holds_reentrant_checkpoint(value: torch.Tensor) -> bool:
+    """Whether ``value``'s autograd graph holds a reentrant checkpoint's node, by type.
+
+    One walk of the graph (about 0.15 us a node). Without torch's classes the
+    answer is ``False``: fr then takes ``.grad()``, and autograd raises its own
+    error where the checkpoint lies below a differentiated leaf ("use_reentrant
+    =True ... incompatible with .grad()").
+    """
+    root = value.grad_fn
+    if root is None or _PythonNode is None:
+        return False
+    seen = {root}
+    stack = [root]
+    pop, push, add = stack.pop, stack.append, seen.add
+    while stack:
+        node = pop()
+        if isinstance(node, _PythonNode) and is_reentrant_checkpoint(node):
+            return True
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                add(nxt)
+                push(nxt)
+    return False
+
+
+def leaves_outside(value: torch.Tensor, ours: Sequence[torch.Tensor]) -> int:
+    """How many leaves of ``value``'s graph that require grad are not among ``ours``.
+
+    Read from each ``AccumulateGrad`` node's ``variable``: the tensors whose
+    ``.grad`` a full backward would write. (Tensors used only inside a
+    reentrant checkpoint are not in this graph: it recomputes its own.)
+    """
+    mine = {id(t) for t in ours}
+    root = value.grad_fn
+    seen = {root}
+    stack = [root]
+    others = 0
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor) and id(variable) not in mine:
+            others += 1
+        for nxt, _ in node.next_functions:
+            if nxt is not None and nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return others
+
+
+# --- what the traced path of fr.distributed needs, loaded while Dynamo traces ---
+
+
+def functional_collectives() -> Any:
+    """``torch.ops._c10d_functional``, the traceable collectives, with their Python side loaded.
+
+    Imported on first use (it pulls in DTensor): never at ``import freplicate``.
+    """
+    try:
+        import torch.distributed._functional_collectives
+    except ImportError as err:  # pragma: no cover - only on a torch without them
+        raise RuntimeError(
+            "fr.distributed under torch.compile needs torch's functional collectives "
+            "(torch.distributed._functional_collectives), which this torch build lacks; "
+            "run the step eagerly"
+        ) from err
+    return torch.ops._c10d_functional
+
+
+def resolve_group(name: str) -> Any:
+    """The process group named ``name`` (the traced layout check runs on names, not objects)."""
+    import torch.distributed as dist
+
+    if name == dist.group.WORLD.group_name:  # type: ignore[union-attr]
+        return dist.group.WORLD
+    from torch.distributed import distributed_c10d
+
+    resolve = getattr(distributed_c10d, "_resolve_process_group", None)
+    if resolve is None:  # pragma: no cover - only on a torch that moved it
+        raise RuntimeError(
+            f"fr.distributed under torch.compile: cannot find process group {name!r} "
+            "(torch.distributed's _resolve_process_group is missing); compile with the "
+            "default group or run the step eagerly"
+        )
+    return resolve(name)
+
+
+def group_store(group: Any) -> Any | None:
+    """The store of ``group``, or ``None`` where torch cannot tell (a collective is used then)."""
+    from torch.distributed import distributed_c10d
+
+    get = getattr(distributed_c10d, "_get_process_group_store", None)
+    return None if get is None else get(group)
+
+
+def assume_constant_result(fn: Any) -> Any:
+    """``torch.compiler.assume_constant_result(fn)``, without importing Dynamo.
+
+    Dynamo then runs ``fn`` for real on the constants it traced and bakes
+    its answer into the graph. The public decorator imports Dynamo (seconds,
+    at ``import freplicate``), and, called while tracing, would be a side
+    effect Dynamo defers past the call; it only sets this attribute, which a
+    test checks it still does.
+    """
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def graph_break(message: str) -> None:
+    """End the traced graph here with ``message`` (Dynamo's error under ``fullgraph=True``)."""
+    import torch._dynamo
+
+    brk = getattr(torch._dynamo, "graph_break", None)
+    if brk is not None:
+        brk(msg=message)
 
 
 def is_compiling() -> bool:

@@ -145,24 +145,21 @@ def alias_groups(leaves: Sequence[Any]) -> tuple[list[int], list[int]]:
     ([0, 3], [0, -1, 0, 1])
     """
     n = len(leaves)
-    if torch.compiler.is_compiling():
-        # id() would make Dynamo guard on every tensor's identity (a recompile each step);
-        # in a graph a tied tensor moved twice is the same values, and nothing tells them apart
-        tensors = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        at = {i: k for k, i in enumerate(tensors)}
-        return tensors, [at.get(i, -1) for i in range(n)]
-    if len(set(map(id, leaves))) == n and all(map(isinstance, leaves, repeat(torch.Tensor, n))):
-        # the common case (distinct tensors only), decided at C speed
+    # Tensors hash by identity. Eagerly ``id()`` keys decide at C speed; while Dynamo traces,
+    # ``id()`` would make it guard on every tensor's identity (a recompile each step), and the
+    # tensors themselves as keys make it guard on their aliasing only.
+    keys = leaves if torch.compiler.is_compiling() else list(map(id, leaves))
+    if len(set(keys)) == n and all(map(isinstance, leaves, repeat(torch.Tensor, n))):
+        # the common case (distinct tensors only)
         return list(range(n)), list(range(n))
-    seen: dict[int, int] = {}
+    seen: dict[Any, int] = {}
     unique: list[int] = []
     slot: list[int] = []
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
-            key = id(leaf)
-            pos = seen.get(key)
+            pos = seen.get(keys[i])
             if pos is None:
-                pos = seen[key] = len(unique)
+                pos = seen[keys[i]] = len(unique)
                 unique.append(i)
             slot.append(pos)
         else:

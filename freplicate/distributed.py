@@ -1,4 +1,4 @@
-"""Data parallelism across processes: the functional DistributedDataParallel.
+"""Data parallelism across processes: the functional DistributedDataParallel, and ZeRO-1/2.
 
 ``fr.distributed`` works on an initialised ``torch.distributed`` process group
 (``torchrun`` or ``init_process_group``; gloo on CPU, NCCL on CUDA). Every
@@ -7,17 +7,23 @@ in the private package ``freplicate/_distributed/``; this module only publishes 
 """
 
 from ._distributed import Step as Step
+from ._distributed import all_gather as all_gather
 from ._distributed import all_reduce as all_reduce
 from ._distributed import broadcast as broadcast
 from ._distributed import grad_and_value as grad_and_value
 from ._distributed import join as join
+from ._distributed import reduce_scatter as reduce_scatter
+from ._distributed import shard as shard
 from ._distributed import sync_buffers as sync_buffers
 
 __all__ = [
     "Step",
+    "all_gather",
     "all_reduce",
     "broadcast",
     "grad_and_value",
     "join",
+    "reduce_scatter",
+    "shard",
     "sync_buffers",
 ]

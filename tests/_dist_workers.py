@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
-from freplicate._distributed import agree
-from freplicate._distributed import plan as planning
+from freplicate._distributed import _agree as agree
+from freplicate._distributed import _plans as planning
 from freplicate.testing import init_loopback_group
 
 
@@ -52,6 +52,11 @@ SCENARIOS: dict[str, Callable[[int], Any]] = {}
 def scenario(f: Callable[[int], Any]) -> Callable[[int], Any]:
     SCENARIOS[f.__name__] = f
     return f
+
+
+def _kind(err: BaseException) -> str:
+    """The builtin exception type ``err`` is (fr's own errors subclass ValueError, RuntimeError)."""
+    return next(c.__name__ for c in type(err).__mro__ if c.__module__ == "builtins")
 
 
 def _main(
@@ -76,7 +81,7 @@ def _main(
         try:
             results[name] = SCENARIOS[name](rank)
         except Exception as err:
-            results[name] = ("raised", type(err).__name__, str(err), traceback.format_exc())
+            results[name] = ("raised", _kind(err), str(err), traceback.format_exc())
     buf = io.BytesIO()
     torch.save(results, buf)
     out.put((rank, buf.getvalue()))
@@ -486,9 +491,9 @@ def train(
         "losses": losses,
         "model_unchanged": unchanged(s, snap),
         "stacked": [  # per grad plan: (buckets, runs differentiated as one stacked leaf)
-            (len(plan.buckets), sum(segments.count(0) for segments in layout.segments))
+            (len(plan.layout.buckets), sum(segments.count(0) for segments in stacks.segments))
             for plan in planning._PLANS.values()
-            for layout in plan.diff.values()
+            for stacks in plan.stacks.values()
         ],
     }
 
@@ -553,7 +558,7 @@ def under_vmap(rank: int) -> Any:
 def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
     """``f()`` with fr.distributed's probes and collectives counted on this rank."""
     counts = {"probe": 0, "all_reduce": 0}
-    probe, all_reduce = agree.probe, dist.all_reduce
+    probe, all_reduce = agree._probe, dist.all_reduce
 
     def counted_probe(*args: Any, **kwargs: Any) -> Any:
         counts["probe"] += 1
@@ -563,12 +568,12 @@ def counting(f: Callable[[], Any]) -> tuple[Any, dict[str, int]]:
         counts["all_reduce"] += 1
         return all_reduce(*args, **kwargs)
 
-    agree.probe = counted_probe
+    agree._probe = counted_probe  # type: ignore[assignment]
     dist.all_reduce = counted_all_reduce
     try:
         return f(), counts
     finally:
-        agree.probe = probe
+        agree._probe = probe  # type: ignore[assignment]
         dist.all_reduce = all_reduce
 
 
@@ -703,7 +708,7 @@ def outcome(f: Callable[[], Any]) -> tuple[Any, ...]:
         return ("returned", f())
     except Exception as err:
         cause = type(err.__cause__).__name__ if err.__cause__ is not None else None
-        return ("raised", type(err).__name__, str(err), cause)
+        return ("raised", _kind(err), str(err), cause)
 
 
 @scenario
@@ -758,7 +763,7 @@ def skipped_step(rank: int) -> dict[str, Any]:
             grads, (_, buffers) = step(params, buffers, x)
             params = {k: p - 0.1 * grads[k] for k, p in params.items()}
         except Exception as err:
-            errors.append((i, type(err).__name__, str(err)))
+            errors.append((i, _kind(err), str(err)))
             break
     return {"errors": errors, "after": fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")}
 
@@ -892,11 +897,11 @@ def pools_release(rank: int) -> dict[str, Any]:
     grads = None
     for _ in range(4):
         grads = fr.distributed.all_reduce(tree)  # the last result is live while the next is made
-    plan = next(p for p in planning._PLANS.values() if p.buckets[0].results.numel > 2**20)
-    live = [len(b.results.entries) for b in plan.buckets]
+    plan = next(p for p in planning._PLANS.values() if p.layout.buckets[0].chunk > 2**20)
+    live = [len(pools.send.entries) for pools in plan.pools]
     del grads
     fr.distributed.all_reduce(tree)  # every result dropped: one spare kept
-    spare = [len(b.results.entries) for b in plan.buckets]
+    spare = [len(pools.send.entries) for pools in plan.pools]
     before = rss()
     fr.clear_caches()
     after = rss()
@@ -988,7 +993,7 @@ def survivor(rank: int) -> Any:
         fr.distributed.all_reduce({"a": torch.ones(1000)})
     except Exception as err:
         cause = type(err.__cause__).__name__ if err.__cause__ is not None else None
-        return ("raised", type(err).__name__, str(err)[:300], cause, time.monotonic() - start)
+        return ("raised", _kind(err), str(err)[:300], cause, time.monotonic() - start)
     return ("returned", time.monotonic() - start)
 
 

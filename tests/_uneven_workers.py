@@ -20,6 +20,7 @@ from _dist_workers import (
     WORLD,
     Net,
     SparseNet,
+    _kind,
     _main,
     dense,
     gather_all,
@@ -31,7 +32,8 @@ from _dist_workers import (
 from torch import nn
 
 import freplicate as fr
-from freplicate._distributed import plan as planning
+from freplicate._distributed import _plans as planning
+from freplicate._distributed._options import Options
 
 LR = 0.1
 
@@ -197,7 +199,7 @@ def failing_loop(rank: int, items: Any, forget_skip: bool) -> dict[str, Any]:
             _ = step.skip(params) if b is None else step(params, *b)
             out["steps"] += 1
     except Exception as err:
-        out["error"] = (type(err).__name__, str(err))
+        out["error"] = (_kind(err), str(err))
     loop.close()  # type: ignore[attr-defined]
     out["after"] = fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")
     return out
@@ -271,8 +273,8 @@ def accumulate_against_ddp(rank: int) -> dict[str, Any]:
         opt = torch.optim.SGD(ddp.parameters(), lr=LR)
         params = fr.state(model).params
         step = fr.distributed.grad_and_value(loss_of(model), bucket_cap_mb=cap)
-        plan, _ = planning.plan_for(
-            params, "fr.distributed.grad_and_value", "mean", cap, None, None
+        plan, _ = planning.plan_of(
+            params, Options("reduce", "mean", cap, None), None, 2, "fr.distributed.grad_and_value"
         )
         pairs, per_step, values = [], [], []
         for s in range(4):
@@ -293,7 +295,7 @@ def accumulate_against_ddp(rank: int) -> dict[str, Any]:
         out[cap] = {
             "pairs": pairs,
             "per_step": per_step,
-            "buckets": len(plan.buckets),
+            "buckets": len(plan.layout.buckets),
             "values": values,
             "first_values": [
                 float(loss_of(model)(fr.state(model).params, *b)) for b in micro_of(rank, 0)
@@ -388,6 +390,6 @@ def accumulate_raises(rank: int) -> dict[str, Any]:
     try:
         step.accumulate(params, micro)
     except Exception as err:
-        out["error"] = (type(err).__name__, str(err))
+        out["error"] = (_kind(err), str(err))
     out["after"] = fr.distributed.all_reduce({"x": torch.ones(2)}, op="sum")
     return out

@@ -119,8 +119,8 @@ def test_mismatched_structure_raises_on_every_rank(job):
         job,
         "mismatch_structure",
         "ValueError",
-        r"structure differs across ranks: at the root: dict with keys \('a',\) on rank 0, "
-        r"dict with keys \('a', 'c'\) on rank 1",
+        r"structure differs across ranks: a leaf at \['c'\] on rank 1, none there on rank 0 "
+        r"\(its tree ends after 1 leaves\)",
     )
 
 
@@ -129,7 +129,7 @@ def test_a_rank_without_tensors_raises_too(job):
         job,
         "mismatch_empty",
         "ValueError",
-        r"structure differs across ranks: at \['a'\]: None on rank 0, a tensor of shape \(2,\)",
+        r"structure differs across ranks: a leaf at \['a'\] on rank 1, none there on rank 0",
     )
 
 
@@ -186,8 +186,8 @@ def test_steady_state_sends_no_probe(job):
     [
         (0, r"the tensor at \['b'\] differs across ranks: shape \(2, 2\).*rank 0; shape \(2, 3\)"),
         (1, r"the tensor at \['b'\] differs across ranks: .*dtype torch\.float64 on rank 1"),
-        (2, r"the tree's structure differs across ranks: at the root: dict with keys \('a', 'b'\)"),
-        (3, r"the tree's structure differs across ranks: at \['b'\]: a tensor of shape \(2, 2\)"),
+        (2, r"the tree's structure differs across ranks: a leaf at \['c'\] on rank 1, none there"),
+        (3, r"the tree's structure differs across ranks: a leaf at \['b'\] on rank 0, none there"),
         (4, r"the tensor at \['m'\] differs across ranks: shape \(4,\), dtype torch\.bool"),
         (5, r"the tensor at \['b'\] differs across ranks: shape \(2, 2\).*rank 0; shape \(2, 3\)"),
     ],
@@ -213,7 +213,7 @@ def test_mismatch_against_the_second_layout_raises_on_every_rank(job):
     for r in ok(job, "mismatch_second_layout"):
         assert re.search(r"the tensor at \['a'\] differs across ranks: shape \(6,\)", r[0][1])
         assert re.search(
-            r"structure differs across ranks: at the root: dict with keys \('b',\)", r[1][1]
+            r"structure differs across ranks: leaf 0 is at \['b'\] on rank 0, at \['a'\]", r[1][1]
         )
         torch.testing.assert_close(r[2]["a"], torch.full((6,), 2.0))
 
@@ -425,8 +425,8 @@ def test_bad_arguments_on_every_rank(job):
             ),
             "key_order": (
                 "ValueError",
-                r"at the root: dict with keys \('a', 'b'\) on rank 0, dict with keys "
-                r"\('b', 'a'\) on rank 1",
+                r"structure differs across ranks: leaf 0 is at \['a'\] on rank 0, at \['b'\] "
+                r"on rank 1",
             ),
             "tied": (
                 "ValueError",
@@ -540,16 +540,19 @@ def test_grad_and_value_needs_a_callable():
 def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     # Gradients become ready in the reverse of named_parameters() order; sorted
     # keys ('10.weight' < '2.weight') would scatter a bucket over the backward pass.
-    from freplicate._distributed import plan as planning
+    from freplicate._distributed import _plans as planning
+    from freplicate._distributed._options import Options
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    plan, leaves = planning.plan_for(tree, "fr.distributed.all_reduce", "mean", 1.0, None, None)
+    options = Options("reduce", "mean", 1.0, None)
+    plan, leaves = planning.plan_of(tree, options, None, 2, "fr.distributed.all_reduce")
+    layout = plan.layout
     names = list(tree)
     name_of = {id(t): n for n, t in tree.items()}
-    order = [name_of[id(leaves[plan.unique[k]])] for b in plan.buckets for k in b.members]
+    order = [name_of[id(leaves[layout.unique[k]])] for b in layout.buckets for k in b.members]
     assert order == names[::-1]
     # and the user's dict comes back with its own key order
-    assert list(planning.rebuild_tree(plan, list(tree.values()), [tree[n] for n in names])) == names
+    assert list(plan.rebuild(list(tree.values()), [tree[n] for n in names])) == names
 
 
 @pytest.mark.parametrize(

@@ -237,14 +237,14 @@ def test_move_out_of_memory_is_not_a_type_error() -> None:
 
 
 def test_pool_keeps_one_spare_beyond_live_results() -> None:
-    pool = _pack.FlatPool([torch.Size([4])], torch.float32, "cpu")
-    a, runs = pool.take()
-    held = pool.views(runs)  # a is busy
-    b, runs_b = pool.take()
-    held_b = pool.views(runs_b)  # b busy too
+    from freplicate._distributed._transport import Pool
+
+    pool = Pool(4, torch.float32, torch.device("cpu"))
+    a = pool.take()
+    held = a[:2]  # a is busy
+    b = pool.take()
+    held_b = b[:2]  # b busy too
     assert len(pool.entries) == 2 and a.data_ptr() != b.data_ptr()
-    del held, held_b  # both spare now
+    del held, held_b, a, b  # both spare now
     pool.take()
     assert len(pool.entries) == 1  # the second spare was let go
-    pool.clear()
-    assert pool.entries == []

@@ -1,19 +1,40 @@
-"""Data parallelism across processes: broadcast, bucketed all-reduce, a DDP-style gradient.
+"""Data parallelism across processes: the functional DDP and ZeRO, written once for eager and compiled.
 
-The functional counterpart of DistributedDataParallel and of the composable
-``replicate``: instead of hooks on a module and a reducer hidden in it, three
-collective functions on trees, built on ``torch.distributed`` itself (gloo on
-CPU, NCCL on CUDA). ``plan`` turns a tree layout into buckets, ``agree``
-checks it across ranks, ``pipeline`` moves the buckets through their
-collectives, ``collectives``, ``grad`` and ``join`` are the public functions
-(``carry``: what rides in a reduction for ``join``).
+The functional counterpart of DistributedDataParallel, of the composable
+``replicate`` and of ZeRO's sharded optimizer state: instead of hooks on a
+module and a reducer hidden in it, collective functions on trees, built on
+``torch.distributed`` itself (gloo on CPU, NCCL on CUDA). The layers, from
+the ground up (arrows point down only):
+
+* ``_group``: the process group, and the protocol's error types;
+* ``_options``, ``_flags``: a call's options; the words that ride in its buckets;
+* ``_layout``: pure: a tree's signatures -> buckets, fingerprint, mismatch text;
+* ``_transport``: eager (pools, async work) and traced (functional collectives);
+* ``_copy``: copy-in and copy-out of buckets, the same in both;
+* ``_agree`` (eager) and ``_store`` (traced): the cross-rank agreement;
+* ``_plans``: a tree -> its layout, cached eagerly, baked in while tracing;
+* ``_call``: one call through a transport, and the failure protocol;
+* ``_collectives``, ``_step``, ``_backward``, ``_join``, ``_carry``: the public functions.
 """
 
-from .collectives import all_reduce as all_reduce
-from .collectives import broadcast as broadcast
-from .collectives import sync_buffers as sync_buffers
-from .grad import Step as Step
-from .grad import grad_and_value as grad_and_value
-from .join import join as join
+from ._collectives import all_gather as all_gather
+from ._collectives import all_reduce as all_reduce
+from ._collectives import broadcast as broadcast
+from ._collectives import reduce_scatter as reduce_scatter
+from ._collectives import shard as shard
+from ._collectives import sync_buffers as sync_buffers
+from ._join import join as join
+from ._step import Step as Step
+from ._step import grad_and_value as grad_and_value
 
-__all__ = ["Step", "all_reduce", "broadcast", "grad_and_value", "join", "sync_buffers"]
+__all__ = [
+    "Step",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "grad_and_value",
+    "join",
+    "reduce_scatter",
+    "shard",
+    "sync_buffers",
+]

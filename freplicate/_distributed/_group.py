@@ -1,10 +1,16 @@
-"""The process group a call runs on: its size, its ranks, the device its collectives use.
+"""The process group a call runs on, and the errors that come out of its collectives.
 
 Every public function asks ``world_size`` first: it validates ``group``, says
 how many ranks take part (1 without a process group: nothing to do; 0 on a
 rank outside ``group``, which, as with torch's own collectives, does nothing
 and is warned), and refuses to train each rank alone when a launcher started
 several processes but no process group was initialised.
+
+Errors of the protocol are types of their own (``ProtocolError``): every rank
+raises them together, so the code that announces a failure to the peers
+lets them pass. ``collective`` wraps each torch.distributed call, and only
+those: whatever comes out of one is torch's (a peer gone, a timeout), and is
+re-raised naming the fr function.
 """
 
 from __future__ import annotations
@@ -21,10 +27,27 @@ import torch.distributed as dist
 from .._checks import check_int
 from .._torch import transform_level
 
-__all__ = ["check_not_transformed", "check_src", "comm_device", "comm_errors", "world_size"]
+__all__ = [
+    "CommError",
+    "ProtocolError",
+    "check_not_transformed",
+    "check_src",
+    "collective",
+    "comm_device",
+    "group_key",
+    "world_size",
+]
 
 # what ``dist.new_group`` hands a rank that is not in the group
 _NOT_A_MEMBER = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
+
+
+class ProtocolError(Exception):
+    """An error every rank of the call raises together (a mismatch, a peer's failure, a dead peer)."""
+
+
+class CommError(ProtocolError, RuntimeError):
+    """A torch.distributed collective failed (a peer died, stalled, or called another one)."""
 
 
 def world_size(group: Any, caller: str) -> int:
@@ -71,9 +94,16 @@ def _check_launcher(caller: str) -> None:
         )
 
 
+def group_key(group: Any) -> Any:
+    """The group itself, the default one for ``None`` (a key of per-group state)."""
+    return dist.group.WORLD if group is None else group
+
+
 def check_src(caller: str, src: Any, group: Any) -> int:
     """``src`` if it is a global rank of ``group``, else an error naming the group's ranks."""
     check_int(caller, "src", src)
+    if not (dist.is_available() and dist.is_initialized()):
+        return src
     if group is None:
         ranks = list(range(dist.get_world_size()))
         where = "the default group"
@@ -90,7 +120,7 @@ def check_src(caller: str, src: Any, group: Any) -> int:
 
 def comm_device(group: Any) -> torch.device:
     """The device a collective's small tensors live on: the current CUDA device for NCCL."""
-    if dist.get_backend(group) == "nccl":
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -106,18 +136,18 @@ def check_not_transformed(caller: str) -> None:
 
 
 @contextlib.contextmanager
-def comm_errors(caller: str) -> Iterator[None]:
-    """Re-raise torch.distributed's own errors (a peer gone, a timeout) naming ``caller``.
+def collective(caller: str) -> Iterator[None]:
+    """Around a torch.distributed call: its errors re-raised as ``CommError`` naming ``caller``.
 
-    The original is the new error's ``__cause__``. Errors fr raises itself
-    (they start with ``caller``) and out-of-memory errors pass as they are.
+    The original is the new error's ``__cause__``; running out of memory is
+    raised as it is.
     """
     try:
         yield
-    except RuntimeError as err:
-        if str(err).startswith(f"{caller}:") or isinstance(err, torch.OutOfMemoryError):
-            raise
-        raise RuntimeError(
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, ValueError) as err:
+        raise CommError(
             f"{caller}: a collective failed: a peer rank may have died, stalled past the "
             "group's timeout, or called another collective than this one; every rank must "
             f"make the same fr.distributed calls in the same order ({type(err).__name__}: "

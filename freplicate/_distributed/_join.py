@@ -18,15 +18,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from . import carry
-from .agree import OwnFailure, announce_failure
-from .collectives import reduce_tree
-from .group import comm_device, comm_errors, world_size
+from . import _carry as carry
+from ._call import Announced
+from ._collectives import reduce_tree
+from ._group import comm_device, world_size
+from ._options import Options
 
 __all__ = ["join"]
 
 T = TypeVar("T")
 _END: Any = object()  # the end of this rank's items
+_MORE = Options("reduce", "sum", 25.0, None)
 
 
 def join(iterable: Iterable[T], *, group: Any = None) -> Iterator[T | None]:
@@ -112,22 +114,15 @@ def _joined(items: Iterator[T], group: Any, world: int, caller: str) -> Iterator
 
 def _next(items: Iterator[T], group: Any, world: int, caller: str) -> Any:
     """The next item or ``_END``; an error raised on every rank, this one's own here."""
-    try:
+    with Announced(group, world, caller):
         return next(items, _END)
-    except Exception as err:
-        with comm_errors(caller):
-            try:
-                announce_failure(group, world, caller, err)
-            except OwnFailure:
-                pass
-        raise
 
 
 def _settle(joining: carry.Joining, group: Any, world: int, caller: str) -> bool:
     """Whether any rank has a next item: read from the reduction that carried the bit, or asked."""
     if joining.total is None:  # no reduction carried it: one of its own, which carries it
         more = torch.tensor([float(joining.bit or 0)], device=comm_device(group))
-        out = reduce_tree({"more": more}, caller, "sum", group, world, 25.0, None, True)
+        out = reduce_tree({"more": more}, _MORE, group, world, caller, check=True)
         joining.settle(bool(out["more"].item() > 0))
     assert joining.total is not None
     return joining.total

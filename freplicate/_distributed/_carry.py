@@ -5,7 +5,7 @@ group still has data. Rather than a collective of its own, it *arms* a
 ``Joining`` with this rank's bit (it has a next item); the first reduction
 on the group that starts after that (the step's own: gradients, buffers, a
 ``skip``) writes the bit into its first bucket's *more* flag, and reads the
-sum back when its results land (``pipeline.Reduction``). Only a step that
+sum back when its results land (``_call.Call``). Only a step that
 made no such reduction pays for a collective of its own (``join``). The
 decision is the same on every rank: ranks make the same calls, or raise
 together.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch.distributed as dist
+from ._group import group_key
 
 __all__ = ["Joining", "armed", "enter", "leave"]
 
@@ -48,18 +48,14 @@ class Joining:
 _CURRENT: weakref.WeakKeyDictionary[Any, Joining] = weakref.WeakKeyDictionary()
 
 
-def _key(group: Any) -> Any:
-    return dist.group.WORLD if group is None else group
-
-
 def enter(group: Any, joining: Joining) -> None:
     """``joining`` is the loop whose bit reductions on ``group`` carry from now on."""
-    _CURRENT[_key(group)] = joining
+    _CURRENT[group_key(group)] = joining
 
 
 def leave(group: Any, joining: Joining) -> None:
     """``joining`` is over; a loop entered after it keeps its place."""
-    key = _key(group)
+    key = group_key(group)
     if _CURRENT.get(key) is joining:
         del _CURRENT[key]
 
@@ -68,7 +64,7 @@ def armed(group: Any) -> Joining | None:
     """The join loop on ``group`` whose bit waits for a reduction to carry it, if any."""
     if not _CURRENT:
         return None
-    joining = _CURRENT.get(_key(group))
+    joining = _CURRENT.get(group_key(group))
     if joining is None or joining.bit is None:
         return None
     return joining

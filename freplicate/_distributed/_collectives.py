@@ -1,0 +1,484 @@
+"""The public collectives on trees, each written once: eager and traced share every line.
+
+``all_reduce``, ``broadcast``, ``sync_buffers``, and, for sharded data
+parallelism, ``reduce_scatter``, ``all_gather`` and ``shard``. Each plans
+its tree (``_plans``), runs one ``Call`` (``_call``) and rebuilds the tree;
+where eager and traced runs differ (the buffers, the collectives, the
+checks read back) the transport decides, at the leaf.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import optree
+import torch
+import torch.distributed as dist
+
+from .._checks import check_choice, check_int
+from .._torch import is_compiling
+from .._tree import NAMESPACE, describe, first_difference, flatten_in_order, tensor_values
+from .._typing import Compress, Op, TensorTree
+from ._call import Announced, Call
+from ._group import check_not_transformed, check_src, world_size
+from ._layout import valid_rows
+from ._options import Options, reduction, weight_value
+from ._plans import Plan, plan_of
+
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter",
+    "reduce_tree",
+    "run",
+    "shard",
+    "sync_buffers",
+]
+
+
+def all_reduce(
+    tree: TensorTree,
+    *,
+    op: Op = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    compress: Compress = None,
+    check: bool = True,
+    weight: float | None = None,
+) -> TensorTree:
+    """A new tree whose tensor leaves are the sum or mean of ``tree``'s over the ranks of ``group``.
+
+    Collective: every rank calls it, in the same order, with a tree of the
+    same layout. Leaves are packed per (device, dtype) into buckets of at
+    most ``bucket_cap_mb`` (in the reverse order of the leaves, as DDP
+    buckets gradients); every bucket is in flight at once, all are waited on
+    at the end. Sparse COO leaves (the gradients of ``nn.Embedding(sparse=True)``)
+    are reduced one by one and stay sparse, as DDP reduces them.
+    A mean multiplies each leaf by ``1 / world_size`` as it is packed, as
+    DDP's reducer does. ``compress="bf16"`` or ``"fp16"`` sends
+    floating-point buckets in that dtype and returns leaves in their own
+    dtype (DDP's compression hooks). Boolean leaves reduce with
+    ``op="sum"`` to their logical or. Non-tensor leaves pass through by
+    reference; a tensor at several positions is reduced once and stays one
+    object. ``tree`` is never modified, and never used as the reduction buffer.
+    Under ``torch.compile`` the same buckets go through torch's traceable
+    collectives, in the graph.
+
+    Each call checks the layout across ranks: trees that differ in
+    structure, shape or dtype, calls with different options, or ranks that
+    call different fr.distributed functions raise ``ValueError`` naming the
+    difference on every rank (never a hang, never an abort). The group
+    learns the order of its calls' layouts: on the layout that comes next in
+    that order, the check rides in the first bucket, at no collective of its
+    own; another known layout costs one small extra collective, a new one
+    two. Compiled, the check runs once per trace (see ``docs/compile.md``).
+
+    ``weight`` (this rank's, a number >= 0) makes the mean a weighted one,
+    ``sum_r weight_r * tree_r / sum_r weight_r`` (zeros where every weight is
+    0): each rank sends its weighted leaves and its weight in the same buckets,
+    at no collective more (a first bucket narrower than float32 sends the
+    weights in one small float64 collective of their own), then divides by
+    the summed weights.
+
+    Args:
+        tree: the tree to reduce; its tensor leaves may lie on several devices.
+        op: ``"mean"`` (DDP's) or ``"sum"``.
+        group: the process group (default: the default group).
+        bucket_cap_mb: the most megabytes a bucket holds.
+        compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
+            that dtype, ``None`` to send them as they are.
+        check: ``False`` skips the cross-rank layout check, and with it the promise
+            that ranks that part ways raise instead of hanging (pass it alike on
+            every rank).
+        weight: this rank's weight in a weighted mean (``op="mean"`` only),
+            or ``None`` for the plain mean; give one on every rank or on none.
+
+    Returns:
+        The reduced tree; ``tree`` itself without an initialised process group,
+        with one rank, or on a rank outside ``group`` (with a warning).
+
+    Raises:
+        TypeError: ``op="mean"`` on an integer or bool leaf, or a leaf that
+            cannot be packed (naming its path); a bad ``bucket_cap_mb``,
+            ``group`` or ``weight`` type.
+        ValueError: a bad ``op``, ``compress`` or ``bucket_cap_mb``; a
+            negative or non-finite ``weight``, or one with ``op="sum"``;
+            trees or options that differ across ranks (on every rank).
+        RuntimeError: under a ``torch.func`` transform; several processes
+            launched but no process group initialised; another rank's call
+            failed (naming it).
+
+    Examples:
+        >>> g = {"w": torch.ones(2, 2), "step": 3}
+        >>> fr.distributed.all_reduce(g) is g  # no process group here: unchanged
+        True
+        >>> fr.distributed.all_reduce(g, weight=3) is g  # a weighted mean over one rank
+        True
+    """
+    caller = "fr.distributed.all_reduce"
+    options = reduction(caller, "reduce", op, bucket_cap_mb, compress, weighted=weight is not None)
+    if weight is not None and not (is_compiling() and isinstance(weight, torch.Tensor)):
+        weight = weight_value(caller, weight)
+    world = world_size(group, caller)
+    if world <= 1:
+        return tree
+    check_not_transformed(caller)
+    return reduce_tree(tree, options, group, world, caller, check=check, weight=weight)
+
+
+def reduce_scatter(
+    tree: TensorTree,
+    *,
+    op: Op = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    compress: Compress = None,
+    check: bool = True,
+) -> TensorTree:
+    """``shard(all_reduce(tree))``, with one reduce-scatter per bucket in place of an all-reduce.
+
+    This rank's rows of the sum or mean over the ranks of every tensor leaf
+    (``shard``'s rows: ``torch.chunk``'s split of dim 0; a 0-dim leaf whole).
+    The buckets are ``all_reduce``'s, each laid out rank-major (every rank's
+    rows of every leaf, zero-padded where dim 0 does not divide, as FSDP2's
+    copy-in), so each rank receives only its own chunk: half the traffic of
+    an all-reduce on two ranks. Checked across ranks as ``all_reduce``;
+    ``compress`` as there. Dense tensors only.
+
+    Args:
+        tree: the tree to reduce; every rank passes the same layout.
+        op: ``"mean"`` or ``"sum"``.
+        group: the process group (default: the default group).
+        bucket_cap_mb: the most megabytes a bucket holds (all ranks' rows).
+        compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
+            that dtype.
+        check: ``False`` skips the cross-rank layout check (pass it alike).
+
+    Returns:
+        The tree of this rank's shards of the reduced leaves; ``tree`` itself
+        without a process group or with one rank.
+
+    Raises:
+        TypeError: a sparse leaf; ``op="mean"`` on an integer or bool leaf.
+        ValueError: bad options; trees that differ across ranks (on every rank).
+
+    Examples:
+        >>> g = {"w": torch.ones(4, 2)}
+        >>> fr.distributed.reduce_scatter(g) is g  # no process group here
+        True
+    """
+    caller = "fr.distributed.reduce_scatter"
+    options = reduction(caller, "scatter", op, bucket_cap_mb, compress)
+    world = world_size(group, caller)
+    if world <= 1:
+        return tree
+    check_not_transformed(caller)
+    return reduce_tree(tree, options, group, world, caller, check=check)
+
+
+def reduce_tree(
+    tree: TensorTree,
+    options: Options,
+    group: Any,
+    world: int,
+    caller: str,
+    *,
+    check: bool,
+    weight: Any = None,
+    sending: bool = True,
+    presummed: bool = False,
+) -> TensorTree:
+    """One reduction (or reduce-scatter) of ``tree`` over ``world`` > 1 ranks; errors name ``caller``.
+
+    ``weight``: this rank's in a weighted mean, its tensors multiplied by it
+    unless ``presummed`` (they hold weighted sums already).
+    """
+    with Announced(group, world, caller) as scope:
+        plan, leaves = plan_of(tree, options, group, world, caller, check=check)
+        with plan.lock or contextlib.nullcontext():
+            call = scope.call = Call(
+                plan, group, world, caller, check=check, sending=sending, weight=weight
+            )
+            if presummed:
+                call.scale = None
+            results = run(call, plan, plan.tensors(leaves))
+        return plan.rebuild(leaves, results)
+
+
+def run(
+    call: Call,
+    plan: Plan,
+    tensors: Sequence[Any],
+    *,
+    checksums: Any = None,
+    begun: bool = False,
+) -> list[Any]:
+    """Agree (unless ``begun``), launch every bucket of ``tensors`` (one per tensor), finish."""
+    if not begun:
+        call.begin(checksums)
+    layout = plan.layout
+    parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
+    call.launch_rest(parts, [tensors[k] for k in layout.sparse])
+    return call.finish()
+
+
+def broadcast(
+    tree: TensorTree, *, src: int = 0, group: Any = None, check: bool = True
+) -> TensorTree:
+    """A new tree whose tensor leaves equal rank ``src``'s; the input is unchanged.
+
+    The initial sync DDP does at construction (and, for buffers, at every
+    forward). Collective, coalesced and checked across ranks as
+    ``all_reduce`` (it is one: ``src`` sends its values, the other ranks
+    -0.0, which leaves every value as it is, bit for bit).
+
+    Args:
+        tree: the tree to send (on ``src``) or to receive into (elsewhere:
+            its layout, not its values, matters).
+        src: the global rank whose values every rank gets; a rank of ``group``.
+        group: the process group (default: the default group).
+        check: ``False`` skips the cross-rank layout check, and with it the promise
+            that ranks that part ways raise instead of hanging (pass it alike on
+            every rank).
+
+    Returns:
+        The tree of ``src``'s values (fresh tensors on every rank); ``tree``
+        itself without an initialised process group, with one rank, or on a
+        rank outside ``group``.
+
+    Raises:
+        TypeError: ``src`` is not an int; a bad ``group``.
+        ValueError: ``src`` is not a rank of ``group``; trees that differ
+            across ranks (on every rank).
+        RuntimeError: under a ``torch.func`` transform; several processes
+            launched but no process group initialised.
+
+    Examples:
+        >>> s = fr.state(nn.Linear(2, 2))
+        >>> fr.distributed.broadcast(s, src=0) is s  # no process group here: unchanged
+        True
+    """
+    return _broadcast(tree, "fr.distributed.broadcast", src, group, check)
+
+
+def _broadcast(tree: TensorTree, caller: str, src: Any, group: Any, check: bool) -> TensorTree:
+    world = world_size(group, caller)
+    if world == 0:  # not a rank of group: nothing to do (warned)
+        return tree
+    check_src(caller, src, group)
+    if world == 1:
+        return tree
+    check_not_transformed(caller)
+    options = Options("reduce", "sum", 25.0, None, src)
+    # a sum of src's values and every other rank's neutral -0.0: src's values, bit for bit
+    root = dist.get_rank() == src
+    return reduce_tree(tree, options, group, world, caller, check=check, sending=root)
+
+
+def sync_buffers(
+    buffers: TensorTree,
+    *,
+    mode: Literal["broadcast", "mean"] = "broadcast",
+    src: int = 0,
+    group: Any = None,
+) -> TensorTree:
+    """Make buffers (BatchNorm statistics ...) agree across ranks; the explicit buffer policy.
+
+    ``mode="broadcast"``: every rank gets rank ``src``'s buffers, what
+    DistributedDataParallel does before every forward (``broadcast_buffers=True``);
+    call it before each step's forward to match DDP exactly.
+    ``mode="mean"``: floating-point buffers become their mean over the ranks
+    (running statistics of the whole global batch, roughly); the others
+    (``num_batches_tracked``) are broadcast from ``src``. The composable
+    ``replicate`` never syncs buffers: not calling this matches it. Buffers
+    without a tensor (a model without buffers) cost no collective, and so are
+    not checked across ranks: every rank's model must have the same buffers.
+
+    Args:
+        buffers: the buffers, e.g. ``fr.state(module).buffers``.
+        mode: ``"broadcast"`` or ``"mean"``.
+        src: the global rank whose buffers are broadcast.
+        group: the process group (default: the default group).
+
+    Returns:
+        The synced buffers; ``buffers`` itself without an initialised
+        process group, with one rank, or without tensors.
+
+    Raises:
+        ValueError: a bad ``mode`` or ``src``; buffers that differ across ranks.
+
+    Examples:
+        >>> b = fr.state(nn.BatchNorm1d(3)).buffers
+        >>> fr.distributed.sync_buffers(b, mode="mean") is b  # no process group here
+        True
+    """
+    caller = "fr.distributed.sync_buffers"
+    check_choice(caller, "mode", mode, ("broadcast", "mean"))
+    values = tensor_values(buffers)
+    leaves = values if values is not None else optree.tree_leaves(buffers, namespace=NAMESPACE)
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        check_int(caller, "src", src)
+        return buffers  # nothing to sync (a model without buffers): no collective
+    if mode == "broadcast":
+        return _broadcast(buffers, caller, src, group, True)
+    world = world_size(group, caller)
+    if world <= 1:
+        return buffers
+    check_not_transformed(caller)
+    floating = optree.tree_map(_if_floating, buffers, none_is_leaf=True, namespace=NAMESPACE)
+    others = optree.tree_map(_unless_floating, buffers, none_is_leaf=True, namespace=NAMESPACE)
+    options = Options("reduce", "mean", 25.0, None)
+    means = reduce_tree(floating, options, group, world, caller, check=True)
+    synced = _broadcast(others, caller, src, group, True)
+    return optree.tree_map(
+        lambda m, s: s if m is None else m, means, synced, none_is_leaf=True, namespace=NAMESPACE
+    )
+
+
+def _if_floating(x: Any) -> Any:
+    return x if isinstance(x, torch.Tensor) and x.is_floating_point() else None
+
+
+def _unless_floating(x: Any) -> Any:
+    return None if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+# --- sharded data parallelism -----------------------------------------------------------
+
+
+def _rank_and_world(group: Any, caller: str) -> tuple[int, int]:
+    world = world_size(group, caller)
+    if world <= 1:
+        return 0, max(world, 1)
+    return dist.get_rank(group), world
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's rows of ``t`` as a view (``torch.chunk``'s split), a 0-dim tensor whole."""
+    if t.dim() == 0:
+        return t
+    c = -(-t.shape[0] // world)
+    return t[rank * c : rank * c + valid_rows(c, t.shape[0], rank)]
+
+
+def shard(tree: TensorTree, *, group: Any = None) -> TensorTree:
+    """This rank's rows of every tensor leaf, as views: no copy, no communication.
+
+    With world size W and a leaf of d0 rows, c = ceil(d0 / W): rank r holds
+    rows [r*c, min((r+1)*c, d0)), as ``torch.chunk`` splits (so a late rank
+    may hold 0 rows); a 0-dim leaf is held whole by every rank. Non-tensor
+    leaves pass through. The rows ``reduce_scatter`` gives this rank and
+    ``all_gather`` puts back together.
+
+    Args:
+        tree: any tree (parameters, gradients, optimizer state).
+        group: the process group (default: the default group).
+
+    Returns:
+        The tree of views; ``tree`` itself without a process group or with one rank.
+
+    Raises:
+        TypeError: a bad ``group``.
+
+    Examples:
+        >>> fr.distributed.shard({"w": torch.ones(3, 2)})["w"].shape  # one rank: every row
+        torch.Size([3, 2])
+    """
+    rank, world = _rank_and_world(group, "fr.distributed.shard")
+    if world <= 1:
+        return tree
+    return optree.tree_map(
+        lambda x: _rows(x, rank, world) if isinstance(x, torch.Tensor) else x,
+        tree,
+        namespace=NAMESPACE,
+    )
+
+
+def all_gather(
+    shards: TensorTree, like: TensorTree, *, group: Any = None, check: bool = True
+) -> TensorTree:
+    """The full tree, with ``like``'s structure, shapes and dtypes, from every rank's shards.
+
+    ``shards`` holds this rank's rows of each leaf of ``like`` (``shard``'s:
+    ``all_gather(shard(t), t)`` equals ``t`` exactly); every rank sends its
+    own, coalesced into ``all_reduce``'s buckets laid out rank-major, and
+    receives everyone's. A 0-dim leaf is held whole by every rank: it comes
+    back as this rank's. ``like``'s values are not read, only its layout.
+    Checked across ranks as ``all_reduce``.
+
+    Args:
+        shards: this rank's shards, a tree of ``like``'s structure.
+        like: the full tree (e.g. the parameters before the update).
+        group: the process group (default: the default group).
+        check: ``False`` skips the cross-rank layout check (pass it alike).
+
+    Returns:
+        A new tree of full tensors; ``shards`` itself without a process group
+        or with one rank.
+
+    Raises:
+        ValueError: ``shards`` and ``like`` differ in structure, or a shard
+            in shape or dtype (naming the path); layouts that differ across
+            ranks (on every rank).
+
+    Examples:
+        >>> t = {"w": torch.arange(6.0).view(3, 2)}
+        >>> fr.distributed.all_gather(fr.distributed.shard(t), t)["w"].shape
+        torch.Size([3, 2])
+    """
+    caller = "fr.distributed.all_gather"
+    rank, world = _rank_and_world(group, caller)
+    if world <= 1:
+        return shards
+    check_not_transformed(caller)
+    options = Options("gather", "sum", 25.0, None)
+    with Announced(group, world, caller) as scope:
+        plan, leaves = plan_of(like, options, group, world, caller, check=check)
+        mine = _shard_leaves(shards, like, plan, leaves, rank, world, caller)
+        layout = plan.layout
+        with plan.lock or contextlib.nullcontext():
+            call = scope.call = Call(plan, group, world, caller, check=check)
+            call.begin()
+            call.launch_rest([plan.parts(b, mine) for b in range(len(layout.buckets))])
+            results = call.finish(local=[mine[k] for k in layout.local])
+        return plan.rebuild(leaves, results)
+
+
+def _shard_leaves(
+    shards: TensorTree,
+    like: TensorTree,
+    plan: Plan,
+    leaves: Sequence[Any],
+    rank: int,
+    world: int,
+    caller: str,
+) -> list[torch.Tensor]:
+    """``shards``' tensors, one per tensor of ``like``'s layout, checked against their rows."""
+    values = tensor_values(shards)
+    if values is not None and plan.keys is not None and tuple(shards) == plan.keys:
+        got = values
+    else:
+        got, spec = flatten_in_order(shards)
+        _, like_spec = flatten_in_order(like)
+        if spec != like_spec:
+            where = first_difference([like_spec, spec], [like, shards])
+            raise ValueError(
+                f"{caller}: shards must have like's structure; {where} (tree 0 is like, tree 1 the shards)"
+            )
+    tensors = plan.tensors(got)
+    paths = plan.layout.description[0]
+    for k, (t, sig) in enumerate(zip(tensors, plan.layout.sigs)):
+        shape, dtype = sig[0], sig[1]
+        want = (
+            shape if not shape else (valid_rows(-(-shape[0] // world), shape[0], rank), *shape[1:])
+        )
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or t.dtype != dtype:
+            raise ValueError(
+                f"{caller}: the shard at {paths[plan.layout.unique[k]]} must be this rank's rows "
+                f"of like's leaf (shape {want}, dtype {dtype}: rank {rank} of {world}), got "
+                f"{describe(t)}"
+            )
+    return tensors

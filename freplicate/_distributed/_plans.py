@@ -1,0 +1,295 @@
+"""Plans: a tree turned into its layout, cached eagerly, baked into the graph while tracing.
+
+``plan_of(tree, ...)`` flattens a tree (a plain dict of tensors without
+optree: how parameters and gradients come), finds its tied tensors, and
+returns the layout (``_layout.build``) with what a call needs beside it:
+how to rebuild the tree and, eagerly, the buckets' pools (``_transport``)
+and a lock (a user's ``fn`` may itself reduce a tree of this layout).
+
+Eagerly, plans are cached by the leaves' signatures (and the dict's keys or
+the tree's spec, the ties and the options): the commonest key is built at C
+speed. While Dynamo traces, the layout comes from a function Dynamo runs for
+real and treats as constant (``torch.compiler.assume_constant_result``): it
+builds the layout from the signatures it traced and checks it across ranks
+through the store (``_store``); the answer is baked into the graph, and
+Dynamo's guards on the same shapes retrace, and so recheck, a changed layout.
+No parameter tensor's identity is guarded: new tensors of the same layout
+never recompile.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+
+from .._caches import register
+from .._torch import assume_constant_result, graph_break, is_compiling, resolve_group
+from .._tree import NAMESPACE, alias_groups, flatten_in_order, paths_of, picker, tensor_values
+from .._typing import TensorTree
+from . import _store
+from ._group import comm_device
+from ._layout import Layout, Sig, build
+from ._options import Options
+from ._transport import Pools
+
+__all__ = ["Plan", "clear_plans", "plan_of"]
+
+_CACHE_SIZE = 16
+_SIG = operator.attrgetter("shape", "dtype", "device", "layout")
+_DICT = object()  # marks a key made from a plain dict's keys
+_LOCK = threading.Lock()
+
+
+class Plan:
+    """A tree's layout, and what calls on it need beside it (see the module's text).
+
+    ``pools`` and ``lock`` exist eagerly only; ``stacks`` holds, per choice,
+    how a gradient step stacks the small tensors of each bucket (``_step``).
+    """
+
+    __slots__ = (
+        "bare",
+        "dims",
+        "keys",
+        "layout",
+        "lock",
+        "never_stack",
+        "picks",
+        "pools",
+        "reorder",
+        "spec",
+        "stacks",
+    )
+
+    def __init__(
+        self,
+        layout: Layout,
+        spec: Any,
+        keys: Sequence[Any] | None,
+        *,
+        eager: bool,
+        tensors: Sequence[Any] = (),
+    ) -> None:
+        self.layout = layout
+        # the sparse tensors' sparse dims: what an empty one sent in their place needs
+        self.dims = [tensors[k].sparse_dim() for k in layout.sparse] if tensors else []
+        self.spec = spec
+        self.keys = keys
+        self.bare = layout.slot is None  # every leaf a tensor of its own
+        inverse = [0] * len(layout.order)
+        for j, k in enumerate(layout.order):
+            inverse[k] = j
+        self.reorder = picker(inverse)  # results in arrival order -> tensor order
+        self.pools = [Pools(b, layout.options.kind) for b in layout.buckets] if eager else []
+        self.lock = threading.RLock() if eager else None
+        self.stacks: dict[bool, Any] = {}
+        self.never_stack = False  # the layout met a sparse gradient in a stack (``_backward``)
+        self.picks = []  # per bucket, per run: its tensors out of the layout's
+        for bucket in layout.buckets:
+            start, picks = 0, []
+            for run in bucket.runs:
+                picks.append(picker(bucket.members[start : start + run.n]))
+                start += run.n
+            self.picks.append(picks)
+
+    def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
+        """Bucket ``b``'s tensors out of ``tensors`` (one per tensor of the layout), one list a run."""
+        return [pick(tensors) for pick in self.picks[b]]
+
+    def empty_sparse(self) -> list[torch.Tensor]:
+        """An empty tensor for each sparse one, as a rank that sends nothing sends it."""
+        out = []
+        for k, dims in zip(self.layout.sparse, self.dims):
+            shape, dtype, device, _ = self.layout.sigs[k]
+            indices = torch.empty(dims, 0, dtype=torch.int64, device=device)
+            values = torch.empty(0, *shape[dims:], dtype=dtype, device=device)
+            out.append(torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True))
+        return out
+
+    def tensors(self, leaves: Sequence[Any]) -> list[Any]:
+        """The layout's tensors out of the tree's leaves (a tied one once)."""
+        return list(leaves) if self.bare else [leaves[i] for i in self.layout.unique]
+
+    def rebuild(self, leaves: Sequence[Any], results: Sequence[Any]) -> TensorTree:
+        """The tree of ``results`` (one per tensor), non-tensor leaves passed through, ties kept."""
+        slot = self.layout.slot
+        out = (
+            list(results)
+            if slot is None
+            else [results[s] if s >= 0 else x for x, s in zip(leaves, slot)]
+        )
+        if self.keys is not None:
+            return dict(zip(self.keys, out))
+        return optree.tree_unflatten(self.spec, out)
+
+
+_PLANS: dict[Any, Plan] = {}
+
+
+def plan_of(
+    tree: TensorTree, options: Options, group: Any, world: int, caller: str, *, check: bool = True
+) -> tuple[Plan, list[Any]]:
+    """The plan of ``tree``'s layout for ``options`` over ``world`` ranks, and the tree's leaves.
+
+    While tracing, the layout is also checked across ranks here (unless
+    ``check`` is false); eagerly the call checks it (``_agree``).
+    """
+    if is_compiling():
+        return _traced(tree, options, group, world, caller, check)
+    chunks = 1 if options.kind == "reduce" else world
+    values = tensor_values(tree)
+    if values is not None and len(set(map(id, values))) == len(values):
+        key: tuple[Any, ...] = (_DICT, tuple(tree), tuple(map(_SIG, values)), options, chunks)
+        plan = _PLANS.get(key)
+        if plan is None:
+            keys = tuple(tree)
+            paths = [f"[{k!r}]" for k in keys]
+            layout = build(
+                paths, [_SIG(v) for v in values], None, options, chunks, caller, comm_device(group)
+            )
+            plan = _remember(key, Plan(layout, None, keys, eager=True, tensors=values))
+        return plan, values
+    leaves, spec = flatten_in_order(tree)
+    unique, slot = alias_groups(leaves)
+    bare = len(unique) == len(leaves)
+    sigs = tuple(_SIG(x) if isinstance(x, torch.Tensor) else None for x in leaves)
+    key = (spec, sigs, None if bare else tuple(slot), options, chunks)
+    plan = _PLANS.get(key)
+    if plan is None:
+        layout = build(
+            paths_of(spec),
+            sigs,
+            None if bare else slot,
+            options,
+            chunks,
+            caller,
+            comm_device(group),
+        )
+        plan = _remember(
+            key, Plan(layout, spec, None, eager=True, tensors=[leaves[i] for i in layout.unique])
+        )
+    return plan, leaves
+
+
+def _remember(key: Any, plan: Plan) -> Plan:
+    with _LOCK:
+        _PLANS[key] = plan
+        while len(_PLANS) > _CACHE_SIZE:
+            del _PLANS[next(iter(_PLANS))]  # the oldest layout
+    return plan
+
+
+def clear_plans() -> None:
+    """Forget every plan, and with them their pooled buffers (``fr.clear_caches``)."""
+    with _LOCK:
+        for plan in _PLANS.values():
+            for pools in plan.pools:
+                pools.clear()
+        _PLANS.clear()
+        _LAYOUTS.clear()
+
+
+register(clear_plans)
+
+
+# --- while Dynamo traces ----------------------------------------------------------------
+
+_LAYOUTS: dict[Any, Layout] = {}
+
+
+class Refused(NamedTuple):
+    """What ``_layout_now`` answers instead of a layout: the error to raise, by its kind."""
+
+    kind: str  # "type" or "value"
+    message: str
+
+
+_ERRORS = {"type": TypeError, "value": ValueError}
+
+
+def _traced(
+    tree: TensorTree, options: Options, group: Any, world: int, caller: str, check: bool
+) -> tuple[Plan, list[Any]]:
+    if type(tree) is dict and all(isinstance(v, torch.Tensor) for v in tree.values()):
+        keys: tuple[Any, ...] | None = tuple(tree)
+        leaves = list(tree.values())
+        paths = tuple(f"[{k!r}]" for k in tree)
+        spec = None
+    else:
+        accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
+        keys = None
+        paths = tuple(a.codify("") or "<root>" for a in accessors)
+    sigs = tuple(_traced_sig(x, p, caller) for x, p in zip(leaves, paths))
+    unique, slot = alias_groups(leaves)
+    bare = len(unique) == len(leaves)
+    pg = dist.group.WORLD if group is None else group
+    chunks = 1 if options.kind == "reduce" else world
+    name = pg.group_name  # type: ignore[union-attr]
+    ties = None if bare else tuple(slot)
+    answer = _layout_now(caller, name, check, paths, sigs, ties, tuple(options), chunks)
+    if isinstance(answer, Refused):  # the layout's own error, or the check's
+        graph_break(answer.message)
+        raise _ERRORS[answer.kind](answer.message)
+    return Plan(answer, spec, keys, eager=False), leaves
+
+
+def _traced_sig(x: Any, path: str, caller: str) -> Sig | None:
+    """A leaf's signature as trace-time constants (``None``: not a tensor)."""
+    if not isinstance(x, torch.Tensor):
+        return None
+    shape = tuple(x.shape)
+    if not all(isinstance(d, int) for d in shape):
+        raise TypeError(
+            f"{caller}: under torch.compile, the tensor at {path} has a dynamic size; "
+            "fr.distributed plans its buckets from static shapes while tracing: mark it "
+            "static (torch._dynamo.mark_static) or compile with dynamic=False"
+        )
+    return (shape, x.dtype, x.device, x.layout)
+
+
+@assume_constant_result
+def _layout_now(
+    caller: str,
+    group_name: str,
+    check: bool,
+    paths: tuple[str, ...],
+    sigs: tuple[Sig | None, ...],
+    slot: tuple[int, ...] | None,
+    fields: tuple[Any, ...],
+    world: int,
+) -> Layout | Refused:
+    """The layout, checked across ranks, or why not (``Refused``).
+
+    Runs in plain Python while Dynamo traces (see the module's text); its
+    arguments come as plain constants (``fields``: the ``Options``' values).
+    """
+    options = Options(*fields)
+    key = (paths, sigs, slot, options, world)
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        try:
+            layout = build(
+                paths, sigs, slot, options, world, caller, comm_device(resolve_group(group_name))
+            )
+        except TypeError as err:
+            return Refused("type", str(err))
+        if layout.sparse:
+            return Refused(
+                "type",
+                f"{caller}: under torch.compile, sparse tensors cannot travel (the one at "
+                f"{paths[layout.unique[layout.sparse[0]]]}); reduce them eagerly",
+            )
+        _LAYOUTS[key] = layout
+        while len(_LAYOUTS) > _CACHE_SIZE:
+            del _LAYOUTS[next(iter(_LAYOUTS))]
+    if check:
+        error = _store.check(caller, group_name, layout)
+        if error is not None:
+            return Refused("value", error)
+    return layout

@@ -1,0 +1,665 @@
+"""``Step``: what ``fr.distributed.grad_and_value`` returns, a gradient step reduced like DDP's.
+
+A step's options are its fields; ``step(*args)``, ``step.skip(*args)`` and
+``step.accumulate(tree, micro_batches)`` are its methods, each one ``Call``
+(``_call``) on the *gradient layout* of the differentiated tree (its
+positions, untied, sparse where the group learnt so). Every call agrees on
+that layout before ``fn`` runs, so that a failure anywhere in ``fn`` is
+announced in the call's own buckets. Eagerly the buckets start from the
+backward pass (``_backward``); where that cannot be (an input already in an
+autograd graph, sparse gradients, ``torch.compile``) the local gradients
+come first and the same buckets after. A rank that asks to *retry* (a
+sparse gradient where a dense one was planned) makes every rank reduce its
+local gradients as a tree instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Sized
+from typing import Any
+
+import optree
+import torch
+
+from .._autodiff import differentiate
+from .._checks import check_int
+from .._torch import foreach_add, foreach_add_, foreach_mul, is_compiling
+from .._tree import NAMESPACE, flatten_in_order, tensor_values
+from .._typing import Compress, Op, TensorTree
+from ._agree import sparse_gradients
+from ._backward import Attempt, Differentiated, overlapped
+from ._call import Announced, Call, Redo
+from ._collectives import reduce_tree, run
+from ._group import check_not_transformed, world_size
+from ._options import Kind, Options, check_weighted, reduction, weight_value
+from ._plans import Plan, plan_of
+
+__all__ = ["Step", "grad_and_value"]
+
+_CALLER = "fr.distributed.grad_and_value"
+
+
+class Step:
+    """What ``fr.distributed.grad_and_value`` returns: call it for a step, or ``skip``, ``accumulate``.
+
+    ``step(*args)``: this rank's gradients, reduced over the group, and its value.
+    ``step.skip(*args)``: this rank has no batch; it joins the reduction its
+    peers run with nothing of its own. ``step.accumulate(tree, micro_batches)``:
+    the gradients of several micro-batches, summed, reduced once. The
+    options given to ``grad_and_value`` are the step's fields.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        op: Op = "mean",
+        group: Any = None,
+        bucket_cap_mb: float = 25.0,
+        has_aux: bool = False,
+        argnums: int = 0,
+        compress: Compress = None,
+        check: bool = True,
+        weight: Callable[..., Any] | None = None,
+        shard: bool = False,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"{_CALLER}: fn must be callable, got {type(fn).__name__}")
+        kind: Kind = "scatter" if shard else "reduce"
+        self.options: Options = reduction(_CALLER, kind, op, bucket_cap_mb, compress)
+        if isinstance(argnums, bool) or not isinstance(argnums, int):
+            raise TypeError(f"{_CALLER}: argnums must be an int, got {argnums!r}")
+        if weight is not None:
+            if not callable(weight):
+                raise TypeError(
+                    f"{_CALLER}: weight must be a function of the step's arguments (e.g. "
+                    f"lambda params, x, y: x.shape[0]) or None, got {type(weight).__name__}"
+                )
+            check_weighted(_CALLER, op)
+            self.options = self.options._replace(weighted=True)
+        self.fn = fn
+        self.op = op
+        self.group = group
+        self.bucket_cap_mb = bucket_cap_mb
+        self.has_aux = has_aux
+        self.argnums = argnums
+        self.compress = compress
+        self.check = check
+        self.weight = weight
+        self.shard = shard
+        self.local = differentiate(fn, argnums=argnums, has_aux=has_aux, caller=_CALLER)
+        self.__doc__ = getattr(fn, "__doc__", None)
+        self.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
+
+    # --- the three ways to call a step -----------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        world = world_size(self.group, _CALLER)
+        if world <= 1:
+            return self.local(*args, **kwargs)
+        check_not_transformed(_CALLER)
+        return self._step(args, kwargs, world, None)
+
+    def skip(self, *args: Any) -> tuple[Any, None]:
+        """This rank has no batch this step: ``(grads, None)``, its peers' reduced gradients.
+
+        Collective: it runs the same reduction as its peers' ``step(...)``,
+        sending zeros and, in a weighted mean, weight 0. With ``weight=None``
+        and ``op="mean"`` the gradients are the others' sum divided by the
+        world size, as DDP under ``Join`` (``divide_by_initial_world_size=True``);
+        with a ``weight``, the weighted mean over the ranks that had a batch.
+        Every rank then holds the same gradients, and applies the same update.
+
+        Args:
+            *args: the step's positional arguments, or at least as many as
+                reach the differentiated one (``args[argnums]``: its layout,
+                not its values, matters); the others are not used.
+
+        Returns:
+            ``(grads, None)``; without a process group or with one rank, zeros.
+
+        Raises:
+            TypeError: ``args`` does not reach ``args[argnums]``.
+            ValueError: a layout that differs from the peers' (on every rank).
+        """
+        if not -len(args) <= self.argnums < len(args):
+            raise TypeError(
+                f"{_CALLER}: skip(*args) needs the differentiated argument args[{self.argnums}] "
+                f"(argnums={self.argnums}), got {len(args)} positional argument(s)"
+            )
+        tree = args[self.argnums % len(args)]
+        world = world_size(self.group, _CALLER)
+        if world <= 1:
+            return optree.tree_map(_zeros, tree, namespace=NAMESPACE), None
+        check_not_transformed(_CALLER)
+        with Announced(self.group, world, _CALLER) as scope:
+            plan, leaves, _ = self._plan(tree, world)
+            with plan.lock or contextlib.nullcontext():
+                call = scope.call = self._new_call(plan, world, sending=False)
+                if self.weight is not None:
+                    call.weight = 0.0
+                results = run(call, plan, plan.tensors(leaves), checksums=self._checksums(tree))
+            return plan.rebuild(leaves, results), None
+
+    def accumulate(
+        self, tree: Any, micro_batches: Iterable[Any], *, count: int | None = None
+    ) -> tuple[Any, list[Any]]:
+        """The gradients of several micro-batches, reduced once: DDP's ``no_sync``.
+
+        Micro-batches are drawn one at a time, in order, exactly as a
+        ``no_sync`` loop draws them (fetch one, differentiate it, fetch the
+        next), so that a generator that fetches a batch, or draws random
+        numbers, when asked sees the same order as DDP. Every micro-batch
+        but the last runs ``fr.grad_and_value`` locally, no communication,
+        and their gradients are summed; the last one runs the overlapped
+        backward with that sum added into each bucket before it is
+        launched, so the one reduction overlaps the last backward pass. The
+        last one is known from ``len(micro_batches)`` (a list, a sized
+        iterable) or from ``count``, never by reading ahead; without either,
+        every micro-batch runs locally and the sum is reduced after the last
+        (the same reduction, not overlapped). The result equals DDP's with
+        ``no_sync()`` around all micro-batches but the last: gradients
+        summed over the micro-batches, then averaged over the ranks
+        (``op="mean"``), bit for bit on two ranks. With a ``weight``, it is
+        the weighted mean over every micro-batch of every rank instead,
+        ``sum w * grad / sum w``. No micro-batch at all: ``skip``.
+
+        Args:
+            tree: the differentiated argument (``args[argnums]``), the same for
+                every micro-batch.
+            micro_batches: an iterable of tuples, each a micro-batch's other
+                positional arguments in order (``(x, y)`` for ``fn(params, x, y)``).
+            count: how many micro-batches the iterable yields, where it has no
+                ``len()``; at most that many are drawn.
+
+        Returns:
+            ``(grads, values)``: the reduced gradients and the list of the
+            micro-batches' values (``(value, aux)`` each, with ``has_aux``).
+
+        Raises:
+            TypeError: a micro-batch that is not a tuple; ``count`` not an int.
+            ValueError: the iterable yields fewer micro-batches than ``count``
+                (on every rank); ``count`` negative.
+        """
+        known = _count(micro_batches, count)
+        world = world_size(self.group, _CALLER)
+        if world <= 1:
+            return self._accumulated_here(tree, micro_batches, known)
+        check_not_transformed(_CALLER)
+        acc = _Sum()
+        values: list[Any] = []
+        with Announced(self.group, world, _CALLER) as scope:
+            plan, leaves, key = self._plan(tree, world)
+            with plan.lock or contextlib.nullcontext():
+                call = scope.call = self._new_call(plan, world)
+                call.begin(self._checksums(tree))
+                for i, batch in enumerate(_draw(micro_batches, known)):
+                    args = _micro_args(self.argnums, tree, batch)
+                    if i == (known or 0) - 1:  # the last: its reduction overlaps its backward
+                        return self._last(call, plan, key, args, leaves, acc, values, world)
+                    grads, value = self.local(*args)
+                    acc.add(grads, self._weigh(args, {}))
+                    values.append(value)
+                if known is not None and len(values) < known:
+                    raise ValueError(
+                        f"{_CALLER}: accumulate's micro_batches yielded {len(values)} "
+                        f"micro-batch(es), count={known}"
+                    )
+                if not values:  # no micro-batch on this rank: as skip
+                    call.sending = False
+                    call.weight = 0.0 if self.weight is not None else None
+                    results = run(call, plan, plan.tensors(leaves), begun=True)
+                else:  # the last one is known only now: the sum, reduced after it
+                    assert acc.leaves is not None
+                    if self.weight is not None:
+                        call.scale, call.weight = None, acc.weight  # weighted already
+                    results = run(call, plan, acc.leaves, begun=True)
+                return plan.rebuild(leaves, results), values
+
+    # --- one step ----------------------------------------------------------------------------
+
+    def _step(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int, acc: _Sum | None
+    ) -> tuple[Any, Any]:
+        attempt = Attempt()
+        with Announced(self.group, world, _CALLER) as scope:
+            n = _position(self.argnums, args)
+            if n is None:
+                self.local(*args, **kwargs)  # raises its own error (out of range)
+            tree = args[n]  # type: ignore[index]
+            w = self._weigh(args, kwargs)
+            plan, leaves, key = self._plan(tree, world)
+            with plan.lock or contextlib.nullcontext():
+                call = scope.call = self._new_call(plan, world)
+                if w is not None:
+                    call.scale = call.weight = w
+                call.begin(self._checksums(tree))
+                try:
+                    results, value = self._backward(call, plan, args, kwargs, n, leaves, attempt)  # type: ignore[arg-type]
+                    return plan.rebuild(leaves, results), value
+                except Redo:
+                    pass
+        return self._redo(key, args, kwargs, world, attempt, acc, w)
+
+    def _last(
+        self,
+        call: Call,
+        plan: Plan,
+        key: int,
+        args: tuple[Any, ...],
+        leaves: list[Any],
+        acc: _Sum,
+        values: list[Any],
+        world: int,
+    ) -> tuple[Any, list[Any]]:
+        """An accumulated step's last micro-batch: its backward with the sum so far added in."""
+        w = self._weigh(args, {})
+        if acc.leaves is not None:
+            call.acc, call.alpha = acc.leaves, (1.0 if w is None else w)
+        if w is not None:  # the sum is weighted already; the last one is weighted as it is added
+            call.scale = None if acc.leaves is not None else w
+            call.weight = acc.weight + w
+        attempt = Attempt()
+        n = self.argnums % len(args)
+        try:
+            results, value = self._backward(call, plan, args, {}, n, leaves, attempt)
+        except Redo:
+            grads, value = self._redo(key, args, {}, world, attempt, acc, w)
+            values.append(value)
+            return grads, values
+        values.append(value)
+        return plan.rebuild(leaves, results), values
+
+    def _backward(
+        self,
+        call: Call,
+        plan: Plan,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        n: int,
+        leaves: list[Any],
+        attempt: Attempt,
+    ) -> tuple[list[torch.Tensor], Any]:
+        """The step's gradients into ``call``'s buckets: from the backward pass where it can."""
+        if call.eager and _overlaps(plan, args, kwargs, n, leaves):
+            what = Differentiated(self.fn, self.has_aux, _CALLER)
+            return overlapped(what, call, plan, args, kwargs, n, leaves, attempt)
+        grads, value = self.local(*args, **kwargs)
+        flat = _leaves_of(grads)
+        attempt.grads, attempt.value = flat, value
+        expected = plan.layout.sigs
+        if any(
+            (g.layout == torch.sparse_coo) != (s[3] == torch.sparse_coo)
+            for g, s in zip(flat, expected)
+        ):
+            call.retry()  # gradients sparse where the layout planned them dense: reduce as a tree
+        parts = [plan.parts(b, flat) for b in range(len(plan.layout.buckets))]
+        call.launch_rest(parts, [flat[k] for k in plan.layout.sparse])
+        return call.finish(), value
+
+    def _redo(
+        self,
+        key: int,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        world: int,
+        attempt: Attempt,
+        acc: _Sum | None,
+        w: float | None,
+    ) -> tuple[Any, Any]:
+        """A rank asked every rank to retry: this rank's local gradients, reduced as a tree."""
+        if attempt.grads is None:
+            if attempt.rewind is not None:
+                attempt.rewind.restore()  # the same random numbers as the first try
+            with Announced(self.group, world, _CALLER):
+                grads, value = self.local(*args, **kwargs)
+        else:
+            grads = _tree_like(args[self.argnums % len(args)], attempt.grads)
+            value = attempt.value
+        weight = w
+        if acc is not None and acc.leaves is not None:
+            acc.add(grads, w)
+            grads, weight = acc.tree(), (acc.weight if w is not None else None)
+        reduced = reduce_tree(
+            grads,
+            self.options,
+            self.group,
+            world,
+            _CALLER,
+            check=self.check,
+            weight=weight,
+            presummed=acc is not None and acc.leaves is not None,
+        )
+        flat = _leaves_of(grads)
+        sparse = {k: g.sparse_dim() for k, g in enumerate(flat) if g.layout != torch.strided}
+        if sparse:  # later calls of this layout reduce after the backward pass, on every rank
+            sparse_gradients(self.group)[key] = sparse
+        return reduced, value
+
+    # --- what every way of calling shares ---------------------------------------------------
+
+    def _new_call(self, plan: Plan, world: int, *, sending: bool = True) -> Call:
+        return Call(plan, self.group, world, _CALLER, check=self.check, sending=sending)
+
+    def _weigh(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """This rank's weight for these arguments (``None`` unweighted); a number, eagerly."""
+        if self.weight is None:
+            return None
+        w = self.weight(*args, **kwargs)
+        if is_compiling() and isinstance(w, torch.Tensor):
+            return w  # read back it cannot be while tracing: used as a tensor
+        return weight_value(_CALLER, w, "weight(*args)")
+
+    def _plan(self, tree: Any, world: int) -> tuple[Plan, list[Any], int]:
+        """The gradient layout of ``tree``, its leaves, and the key the group learns sparsity by.
+
+        The gradients of a tree come one per position (untied, as torch.func
+        gives them), sparse where the group learnt so (keyed by the dense
+        layout's fingerprint).
+        """
+        plan, leaves = plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
+        if not plan.bare:
+            plan, leaves = self._stand_in(plan, leaves, {}, world)
+        key = plan.layout.fingerprint
+        known = {} if is_compiling() else sparse_gradients(self.group).get(key, {})
+        if known:
+            plan, leaves = self._stand_in(plan, leaves, known, world)
+        return plan, leaves, key
+
+    def _stand_in(
+        self, plan: Plan, leaves: list[Any], sparse: dict[int, int], world: int
+    ) -> tuple[Plan, list[Any]]:
+        like = _gradient_like(leaves, sparse)
+        tree = (
+            dict(zip(plan.keys, like))
+            if plan.keys is not None
+            else optree.tree_unflatten(plan.spec, like)
+        )
+        return plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
+
+    def _checksums(self, tree: Any) -> Callable[[], list[int]] | None:
+        """A checksum of each differentiated tensor, for the layout's first call (``_agree``)."""
+        if not self.check or is_compiling():
+            return None
+        return lambda: [_checksum(t) for t in _leaves_of(tree) if isinstance(t, torch.Tensor)]
+
+    def _accumulated_here(
+        self, tree: Any, micro_batches: Iterable[Any], known: int | None
+    ) -> tuple[Any, list[Any]]:
+        """``accumulate`` without other ranks: the sum (the weighted mean) of the micro-batches."""
+        acc = _Sum()
+        values: list[Any] = []
+        for batch in _draw(micro_batches, known):
+            args = _micro_args(self.argnums, tree, batch)
+            grads, value = self.local(*args)
+            acc.add(grads, self._weigh(args, {}))
+            values.append(value)
+        if acc.leaves is None:
+            return optree.tree_map(_zeros, tree, namespace=NAMESPACE), values
+        total = acc.tree()
+        if self.weight is not None:
+            total = optree.tree_map(
+                lambda t: t / acc.weight if acc.weight else torch.zeros_like(t), total
+            )
+        return total, values
+
+
+class _Sum:
+    """Gradients summed over micro-batches (``w * grad`` each, when weighted), and the weights'.
+
+    The first micro-batch's gradients are kept as they come; later ones are
+    added in fused passes, into tensors of our own only: in DDP's order
+    (``g0 + g1 + ...``), so that the sum is DDP's bit for bit.
+    """
+
+    __slots__ = ("leaves", "owned", "spec", "weight")
+
+    def __init__(self) -> None:
+        self.leaves: list[torch.Tensor] | None = None
+        self.spec: Any = None
+        self.owned = False
+        self.weight = 0.0
+
+    def add(self, grads: TensorTree, weight: float | None) -> None:
+        leaves, spec = flatten_in_order(grads)
+        alpha = 1.0 if weight is None else weight
+        self.weight += alpha
+        dense = all(t.layout == torch.strided for t in leaves)
+        if self.leaves is None:
+            self.spec = spec
+            if alpha == 1:
+                self.leaves = leaves
+            else:
+                self.leaves = foreach_mul(leaves, alpha) if dense else [t * alpha for t in leaves]
+                self.owned = True
+            return
+        if self.owned and dense:
+            foreach_add_(self.leaves, leaves, alpha=alpha)
+        elif dense and all(t.layout == torch.strided for t in self.leaves):
+            self.leaves = foreach_add(self.leaves, leaves, alpha=alpha)
+        else:  # sparse gradients: one by one, out of place
+            self.leaves = [a.add(b, alpha=alpha) for a, b in zip(self.leaves, leaves)]
+        self.owned = True
+
+    def tree(self) -> TensorTree:
+        assert self.leaves is not None
+        return optree.tree_unflatten(self.spec, self.leaves)
+
+
+def _zeros(x: Any) -> Any:
+    return torch.zeros_like(x) if isinstance(x, torch.Tensor) else x
+
+
+def _count(micro_batches: Any, count: Any) -> int | None:
+    if count is not None:
+        check_int(_CALLER, "count", count)
+        if count < 0:
+            raise ValueError(f"{_CALLER}: count must be >= 0, got {count}")
+        return count  # type: ignore[no-any-return]
+    return len(micro_batches) if isinstance(micro_batches, Sized) else None
+
+
+def _draw(micro_batches: Iterable[Any], known: int | None) -> Iterable[Any]:
+    """The micro-batches one at a time, at most ``known`` of them (never one more)."""
+    if known is None:
+        yield from micro_batches
+        return
+    if known == 0:
+        return
+    for i, batch in enumerate(micro_batches):
+        yield batch
+        if i == known - 1:
+            return
+
+
+def _position(argnums: int, args: tuple[Any, ...]) -> int | None:
+    return argnums % len(args) if -len(args) <= argnums < len(args) else None
+
+
+def _micro_args(argnums: int, tree: Any, batch: Any) -> tuple[Any, ...]:
+    """A micro-batch's full positional arguments: ``tree`` put in at ``argnums``."""
+    if not isinstance(batch, (tuple, list)):
+        raise TypeError(
+            f"{_CALLER}: accumulate's micro_batches must yield tuples of the arguments that "
+            f"follow the differentiated one (e.g. (x, y)), got {type(batch).__name__}; wrap a "
+            "single tensor as (x,)"
+        )
+    k = argnums if argnums >= 0 else len(batch) + 1 + argnums
+    return (*batch[:k], tree, *batch[k:])
+
+
+def _leaves_of(tree: Any) -> list[Any]:
+    values = tensor_values(tree)
+    return values if values is not None else flatten_in_order(tree)[0]
+
+
+def _tree_like(tree: Any, flat: list[torch.Tensor]) -> Any:
+    """The gradient tree (the differentiated tree's structure) of ``flat``."""
+    values = tensor_values(tree)
+    if values is not None:
+        return dict(zip(tree, flat))
+    return optree.tree_unflatten(flatten_in_order(tree)[1], flat)
+
+
+def _gradient_like(leaves: list[Any], sparse: dict[int, int]) -> list[Any]:
+    """Leaves of the layout as the gradients come: untied; empty sparse tensors where known."""
+    out = []
+    for k, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            out.append(t)
+        elif k in sparse:  # as the gradient comes: its sparse dimensions, the rest dense
+            dims = sparse[k]
+            empty = torch.empty(dims, 0, dtype=torch.int64, device=t.device)
+            values = torch.empty(0, *t.shape[dims:], dtype=t.dtype, device=t.device)
+            out.append(torch.sparse_coo_tensor(empty, values, t.shape, is_coalesced=True))
+        else:
+            out.append(t.detach())  # a tensor object of its own: untied
+    return out
+
+
+def _overlaps(
+    plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, leaves: list[Any]
+) -> bool:
+    """Whether the step's buckets can start from its backward pass (see the module's text)."""
+    if plan.layout.sparse or not plan.layout.buckets or torch.is_inference_mode_enabled():
+        return False
+    if not all(isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
+        return False
+    rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
+    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """The tensor's bits summed as integers: the same on every rank for the same values.
+
+    Integer sums do not depend on the order they are taken in (threads,
+    devices), unlike float ones; two different initialisations differ.
+    """
+    x = t.detach()
+    if x.is_complex():
+        x = torch.view_as_real(x)
+    x = x.contiguous().view(-1)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+    return int(x.view(ints).to(torch.int64).sum())
+
+
+def grad_and_value(
+    fn: Callable[..., Any],
+    *,
+    op: Op = "mean",
+    group: Any = None,
+    bucket_cap_mb: float = 25.0,
+    has_aux: bool = False,
+    argnums: int = 0,
+    compress: Compress = None,
+    check: bool = True,
+    weight: Callable[..., Any] | None = None,
+    shard: bool = False,
+) -> Step:
+    """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
+
+    ``g(*args) -> (grads, value)``: ``grads`` equals
+    ``fr.distributed.all_reduce(fr.grad_and_value(fn)(*args)[0], op=op, ...)``,
+    ``value`` (with ``has_aux``, ``(value, aux)``) is this rank's. Buckets are
+    cut in the reverse order of the leaves of ``args[argnums]`` (the order
+    their gradients become ready), and each bucket's collective starts from a
+    hook on this call's own fresh leaves as soon as its last gradient is
+    computed, while the backward pass goes on (DDP's overlap); the remaining
+    buckets start when it ends, always in the same order on every rank.
+    No module is touched and no hook outlives the call. When an input
+    already carries an autograd graph, or under ``torch.compile``, the local
+    gradients come first and the same buckets after (compiled, Inductor
+    schedules each bucket's collective as soon as its gradients exist).
+    Activation checkpoints work in either mode, decided on each call's own
+    graph; a ``use_reentrant=True`` one takes a full backward pass (no
+    overlap then), as DDP's ``loss.backward()`` does.
+
+    ``shard=True`` gives ZeRO-2's gradients: this rank's rows of the reduced
+    gradients (``fr.distributed.reduce_scatter`` of the local ones, launched
+    during the backward pass as buckets fill), for an optimizer that updates
+    this rank's shard of the parameters (``fr.distributed.shard``), then
+    ``fr.distributed.all_gather``.
+
+    Every rank checks, on the first call of a layout, that the differentiated
+    parameters are equal across ranks (a checksum folded into the layout's
+    first check): forgetting ``fr.distributed.broadcast`` at the start is a
+    ``ValueError`` naming the first leaf that differs (``check=False`` turns
+    it off with the layout check). Any exception raised in ``fn`` on one
+    rank, ``KeyboardInterrupt`` included, is announced to its peers before it
+    propagates: every other rank raises a ``RuntimeError`` naming that rank,
+    in the same step, and the group stays usable for the next one.
+
+    ``weight``, a function of the step's arguments (``lambda params, x, y:
+    x.shape[0]``), makes ``op="mean"`` a weighted mean,
+    ``sum_r w_r * grads_r / sum_r w_r``: the weights travel in the gradients'
+    own first bucket, at no collective more. With per-rank mean losses and
+    each rank's number of examples as its weight, that is the exact gradient
+    of the mean loss over all the examples of the step, however unevenly the
+    ranks' batches are sized (DDP has no such option: it averages over ranks).
+
+    ``g.skip(*args)``: a rank without a batch (its data ran out, see
+    ``fr.distributed.join``) still takes part, with zeros and weight 0, and
+    gets the same gradients as its peers. ``g.accumulate(tree,
+    micro_batches)``: gradient accumulation with one reduction, overlapped
+    with the last micro-batch's backward pass (DDP's ``no_sync``), drawing
+    the micro-batches in the order a ``no_sync`` loop draws them.
+
+    Args:
+        fn: ``fn(*args) -> loss`` (a scalar tensor), or ``(loss, aux)`` with
+            ``has_aux``.
+        op: ``"mean"`` (DDP's) or ``"sum"``.
+        group: the process group (default: the default group).
+        bucket_cap_mb: the most megabytes a bucket holds.
+        has_aux: whether ``fn`` returns ``(loss, aux)``.
+        argnums: which positional argument is differentiated (a tree of tensors).
+        compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
+            that dtype.
+        check: ``False`` skips the cross-rank checks (layouts, and the
+            parameters' values on a layout's first call), and with them the
+            promise that ranks that part ways raise instead of hanging (pass it
+            alike on every rank).
+        weight: ``weight(*args)`` -> this rank's weight (a number >= 0, or a
+            one-element tensor, read back to the host), for a weighted mean
+            (``op="mean"`` only); give one on every rank or on none.
+        shard: ``True`` for this rank's shards of the gradients (ZeRO-2).
+
+    Returns:
+        A ``Step``: ``g(*args) -> (grads, value)``, with the methods
+        ``g.skip(*args) -> (grads, None)`` and ``g.accumulate(tree,
+        micro_batches, *, count=None) -> (grads, values)``. Without a process
+        group or with one rank, ``g`` returns the local gradients (``weight``
+        is not called).
+
+    Raises:
+        TypeError: ``fn`` or ``weight`` is not callable; ``argnums`` is not
+            an int; bad options; ``weight(*args)`` is not a number (when
+            ``g`` runs, on every rank).
+        ValueError: bad options (at once); a ``weight`` with ``op="sum"``;
+            trees that differ across ranks, or parameters that differ on a
+            layout's first call (on every rank, when ``g`` runs).
+        RuntimeError: ``g`` runs under a ``torch.func`` transform, where
+            collectives cannot run; another rank's ``fn`` raised (naming it).
+
+    Examples:
+        >>> w = {"a": torch.tensor(2.0)}
+        >>> g = fr.distributed.grad_and_value(lambda w, x: w["a"] * x)
+        >>> g(w, torch.tensor(3.0))  # no process group here: the local gradient
+        ({'a': tensor(3.)}, tensor(6.))
+        >>> g.skip(w)  # no batch on this rank: nothing to add
+        ({'a': tensor(0.)}, None)
+        >>> g.accumulate(w, [(torch.tensor(3.0),), (torch.tensor(4.0),)])  # summed
+        ({'a': tensor(7.)}, [tensor(6.), tensor(8.)])
+    """
+    return Step(
+        fn,
+        op=op,
+        group=group,
+        bucket_cap_mb=bucket_cap_mb,
+        has_aux=has_aux,
+        argnums=argnums,
+        compress=compress,
+        check=check,
+        weight=weight,
+        shard=shard,
+    )
