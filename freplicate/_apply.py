@@ -443,14 +443,17 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_CALLER}: module must be an nn.Module, got {type(module).__name__}")
+    # for speed: check_state's isinstance(..., Mapping) only where the types are not exact
+    # (docs/benchmarks.md, issue 19)
     if type(state) is not State or type(state[0]) is not dict or type(state[1]) is not dict:
         check_state(_CALLER, state, entries=False)
     params, buffers = state
     if _torch.is_compiling():
         return _traced(module, params, buffers, args, kwargs)
     plan, dicts = _plan(module)
+    # for speed: the names fr.state gives need no resolving (docs/benchmarks.md, issue 19)
     if params.keys() == plan.param_names and buffers.keys() <= plan.buffer_names:
-        values, buffer_values = params, buffers  # the names fr.state gives: nothing to resolve
+        values, buffer_values = params, buffers
     else:
         try:
             values = buffer_values = _resolve(plan.layout, params, buffers)

@@ -392,7 +392,7 @@ def _fresh(
             grads, _ = gradients_of(value, diff, caller)
             return trees.rebuild(layout.split(grads)), detached(value, aux, has_aux)
 
-        if torch.is_grad_enabled():  # entering enable_grad costs more than the test (benchmarks.md)
+        if torch.is_grad_enabled():  # for speed: enable_grad only if off (docs/benchmarks.md)
             return run()
         with torch.enable_grad():
             return run()
@@ -400,7 +400,9 @@ def _fresh(
     layout = leaves_for(tensors)
     if layout is UNSTACKED:
         return attempt(layout)
-    return retrying(lambda: attempt(leaves_for(tensors)), Rewind(tensors), tensors)
+    # the retry follows unstack(tensors): their layout is UNSTACKED from then on
+    layouts = iter([layout])
+    return retrying(lambda: attempt(next(layouts, UNSTACKED)), Rewind(tensors), tensors)
 
 
 def _through_graph(

@@ -67,6 +67,7 @@ def test_every_benchmark_runs_and_reports_each_target(quick_bench: tuple[str, Pa
     for expected in (
         "fr.apply / module(x)",
         "fr.apply / module(x), a module built before each",
+        "fr.apply / module(x), recording the graph",
         "fr.grad_and_value / torch.func.grad_and_value",
         "fr.data_parallel_grad [cpu, cpu] / torch.func.grad_and_value",
         "SGD step: fr.distributed.grad_and_value / DDP",
