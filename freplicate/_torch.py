@@ -15,16 +15,19 @@ Dynamo's helpers are looked up on first use, while ``torch.compile`` traces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "COMPILED_CALL",
     "FAST_PATHS",
     "assume_constant_result",
     "aten_op",
     "chunk_cat",
+    "compiled_module",
     "engine_grad",
     "foreach_add",
     "foreach_add_",
@@ -40,6 +43,7 @@ __all__ = [
     "holds_reentrant_checkpoint",
     "is_reentrant_checkpoint",
     "leaves_outside",
+    "optimized_module_class",
     "resolve_group",
     "storage_use_count",
     "transform_level",
@@ -414,3 +418,45 @@ def graph_break(message: str) -> None:
 def is_compiling() -> bool:
     """True while Dynamo traces: public functions then take their traceable twins."""
     return torch.compiler.is_compiling()
+
+
+# ======================================================================================
+# fr.apply's view of compiled modules (issue 16 item 5, issue 19). Kept at the end of the
+# file, apart from the engine's entries above.
+# ======================================================================================
+
+# --- torch.compile(module): an OptimizedModule around the module, whose compiled code is a
+# closure over that very module (a copy of the wrapper would run on the original's tensors)
+
+
+def optimized_module_class() -> type[torch.nn.Module] | None:
+    """``torch.compile(module)``'s wrapper class, or ``None`` where this process has none."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def compiled_module(module: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[Any], Any]] | None:
+    """For ``torch.compile(m)``: ``(m, wrap)``, ``wrap(copy)`` compiling ``copy`` as ``m`` is; else ``None``.
+
+    ``torch._dynamo`` is never imported here: a process that has not loaded
+    it has compiled nothing. Where torch no longer has ``OptimizedModule``
+    under its known name, this answers ``None``, and ``fr.apply`` refuses
+    the wrapper with a clear error (its instance-level ``forward`` is the
+    sign) rather than running it on the module's own tensors.
+    """
+    optimized = optimized_module_class()
+    if optimized is None or not isinstance(module, optimized):
+        return None
+    inner, ctx = module.__dict__["_modules"].get("_orig_mod"), module.__dict__.get("dynamo_ctx")
+    if (
+        not isinstance(inner, torch.nn.Module) or ctx is None
+    ):  # pragma: no cover - a changed wrapper
+        return None
+    return inner, lambda copy: optimized(copy, ctx)
+
+
+# --- module.compile(): ``torch.compile(self._call_impl)`` stored in this instance attribute, a
+# wrapper of the original's bound method (a copy must not call it). Under another name (a torch
+# that renamed it), fr.apply refuses the module with a clear error instead of dropping it: every
+# instance attribute that wraps a method bound to its own module is refused unless it is this one.
+COMPILED_CALL = "_compiled_call_impl"

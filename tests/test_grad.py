@@ -370,7 +370,9 @@ def test_sparse_and_integer_leaves_of_one_shape_behave_as_unstacked() -> None:
     for k in ("a", "b"):
         assert torch.equal(got[0][k].to_dense(), expected[0][k].to_dense())
     ints = {"i": torch.ones(2, dtype=torch.long), "j": torch.ones(2, dtype=torch.long)}
-    with pytest.raises(RuntimeError, match=r"args\[0\]\[.i.\] has dtype torch.int64; only floating-point"):
+    with pytest.raises(
+        RuntimeError, match=r"args\[0\]\[.i.\] has dtype torch.int64; only floating-point"
+    ):
         fr.grad_and_value(lambda t: t["i"].sum())(ints)
 
 
