@@ -94,9 +94,10 @@ def _one(args: Any) -> dict[str, Any]:
 
 def _step(side: str, quick: bool) -> Any:
     """The example's step for ``side``, on fixed micro-batches (warm steps repeat one step)."""
-    import freplicate as fr
     import gpt_train as G
     from gpt_model import GPT, GPTConfig
+
+    import freplicate as fr
 
     sizes = {"n_layer": 1, "n_embd": 32} if quick else {}
     config = G.Config(optimizer="exact", **sizes)
