@@ -90,6 +90,9 @@ class Config:
     )
     amp: str = _option("none", "autocast dtype for the forward", choices=["none", "bf16"])
     ddp: bool = _option(False, "run the loop on DistributedDataParallel + torch.optim.AdamW")
+    compile: bool = _option(
+        False, "torch.compile the loss (freplicate) or the DDP module (--ddp); minutes, once"
+    )
     # evaluation, sampling, checkpoints
     eval_every: int = _option(100, "steps between evaluations (and checkpoints)")
     eval_batches: int = _option(8, "batches an evaluation averages, on each rank")
@@ -237,7 +240,10 @@ class Functional:
         self.config, self.model, self.data = config, model, data
         # every rank starts from rank 0's parameters, as DDP makes them at construction
         self.params: Params = fr.distributed.broadcast(fr.state(model).params)
-        self.grad = fr.distributed.grad_and_value(self.loss)
+        # --compile: the loss compiled (its forward and backward); the buckets still start from
+        # the backward pass, and the rest of the step stays eager, as with torch.compile(DDP)
+        loss = torch.compile(self.loss) if config.compile else self.loss
+        self.grad = fr.distributed.grad_and_value(loss)
         make = exact_adamw if config.optimizer == "exact" else torchopt_adamw
         self.init, self.update = make(schedule(config), config, decayed(self.params))
         self.opt_state = self.init(self.params)
@@ -286,6 +292,8 @@ class Stateful:
     def __init__(self, config: Config, model: GPT, data: Data) -> None:
         self.config, self.model, self.data = config, model, data
         self.ddp = DistributedDataParallel(model)
+        if config.compile:
+            self.ddp = torch.compile(self.ddp)  # type: ignore[assignment]
         named = dict(model.named_parameters())
         decay = decayed(named)
         groups = [
