@@ -1,11 +1,17 @@
 """The core against the stateful module and ``torch.func``: forward, gradient, replication.
 
-For each benchmark model (../shared/BENCHMARKS.md), three groups of sides,
+For each benchmark model (../shared/BENCHMARKS.md), four groups of sides,
 each group timed in one interleaved run (every round runs every side, the
 orders balanced, ``_common.orders``; a ratio is the median over rounds of the per-round ratio):
 
 - forward, under ``torch.no_grad()``: ``module(x)`` (the baseline, 1.00),
-  ``fr.apply(module, state, x)``, ``torch.func.functional_call``;
+  ``fr.apply(module, state, x)``, ``torch.func.functional_call``, and
+  ``module(x)`` / ``fr.apply`` each after building an unrelated module
+  (``nn.CrossEntropyLoss()``, as a loss that makes its own does);
+- forward recording the autograd graph (grad mode on): ``module(x)``, whose
+  parameters require grad, against ``fr.apply`` of a state whose parameters
+  are leaves that require grad (made once, as a training loop holds them),
+  and ``functional_call`` of the same; the graph is freed with the output;
 - gradient of ``F.cross_entropy``: the stateful step
   (``zero_grad(set_to_none=True)``, forward, ``loss.backward()``; the
   baseline), ``fr.grad_and_value`` and ``torch.func.grad_and_value`` of the
@@ -45,10 +51,10 @@ TITLE = (
     "a stateful step and copy.deepcopy"
 )
 
-# The targets (issue 6), each on the models it was set for.
-APPLY = 1.10  # fr.apply / module(x), many_small and small_mlp
-GRAD_VS_FUNC = 0.60  # fr.grad_and_value / torch.func.grad_and_value, many_small
-GRAD_VS_STATEFUL = 1.15  # fr.grad_and_value / stateful, the worst model: so every model
+# The targets, each on the models it was set for.
+APPLY = 1.10  # fr.apply / module(x), every model, every forward row (issue 19)
+GRAD_VS_FUNC = 0.60  # fr.grad_and_value / torch.func.grad_and_value, many_small (issue 6)
+GRAD_VS_STATEFUL = 1.10  # fr.grad_and_value / stateful, every model (issue 19)
 REPLICATE = 0.01  # fr.replicate / 4 x deepcopy
 
 
@@ -77,6 +83,23 @@ def forward_sides(model: nn.Module, x: torch.Tensor) -> list[Callable[[], Any]]:
         ref = sides[0]()
         for name, side in zip(("fr.apply", "functional_call", "module(x)", "fr.apply"), sides[1:]):
             check(torch.equal(side(), ref), f"forward: {name} != module(x)")
+    return sides
+
+
+def graph_sides(model: nn.Module, x: torch.Tensor) -> list[Callable[[], Any]]:
+    """The forward with grad mode on: each side records the autograd graph of its output."""
+    s = fr.state(model)
+    leaves = fr.State({k: v.detach().requires_grad_() for k, v in s.params.items()}, s.buffers)
+    flat = {**leaves.params, **leaves.buffers}
+    sides = [
+        lambda: model(x),
+        lambda: fr.apply(model, leaves, x)[0],
+        lambda: torch.func.functional_call(model, flat, (x,)),
+    ]
+    ref = sides[0]()
+    for name, side in zip(("fr.apply", "functional_call"), sides[1:]):
+        out = side()
+        check(out.grad_fn is not None and torch.equal(out, ref), f"graph: {name} != module(x)")
     return sides
 
 
@@ -158,7 +181,7 @@ def _row(model: str, measure: str, t: Rounds, i: int, j: int, target: float | No
 
 
 def run(quick: bool = False) -> list[Row]:
-    """Every model's forward, gradient and replication rows."""
+    """Every model's forward (no grad, recording the graph), gradient and replication rows."""
     pairs, warmup = (3, 1) if quick else (40, 5)
     torch.set_num_threads(1)
     rows: list[Row] = []
@@ -166,19 +189,15 @@ def run(quick: bool = False) -> list[Row]:
         model, x, y = build(name)
         with torch.no_grad():
             t = interleave(forward_sides(model, x), pairs=pairs, warmup=warmup)
-        small = name in ("many_small", "small_mlp")
-        rows.append(_row(name, "fr.apply / module(x)", t, 1, 0, APPLY if small else None))
+        rows.append(_row(name, "fr.apply / module(x)", t, 1, 0, APPLY))
         rows.append(_row(name, "torch.func.functional_call / module(x)", t, 2, 0))
-        rows.append(
-            _row(
-                name,
-                "fr.apply / module(x), a module built before each",
-                t,
-                4,
-                3,
-                APPLY if small else None,
-            )
-        )
+        rows.append(_row(name, "fr.apply / module(x), a module built before each", t, 4, 3, APPLY))
+
+        with torch.enable_grad():
+            t = interleave(graph_sides(model, x), pairs=pairs, warmup=warmup)
+        rows.append(_row(name, "fr.apply / module(x), recording the graph", t, 1, 0, APPLY))
+        measure = "torch.func.functional_call / module(x), recording the graph"
+        rows.append(_row(name, measure, t, 2, 0))
 
         t = interleave(grad_sides(model, x, y), pairs=pairs, warmup=warmup)
         stateful = "stateful fwd+backward"

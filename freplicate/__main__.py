@@ -8,9 +8,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-BENCHMARKS = ("core", "parallel", "distributed", "compile", "shard")  # benchmarks/bench_<name>.py
-# compile and shard take minutes (of compiling, of spawning ranks for memory): run them by name
-DEFAULT = ("core", "parallel", "distributed")
+# benchmarks/bench_<name>.py
+BENCHMARKS = ("core", "parallel", "distributed", "import", "compile", "example", "shard")
+# compile, example and shard take minutes (of compiling; shard also spawns ranks for memory
+# figures): run them by name
+DEFAULT = ("core", "parallel", "distributed", "import")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ._devices import as_device
+from ._torch import aten_op
 from ._tree import flatten_in_order, paths_of, unflatten
 from ._typing import DeviceSpec, T
 
@@ -31,15 +32,9 @@ _KEYS = ("scale", "growth_tracker")
 
 
 def _aten(name: str) -> Any:
-    # GradScaler's kernels, through the functional ops torch generates for them
-    # (they copy their inputs before the in-place kernel runs); looked up on use,
-    # so that a torch without them fails here, naming them, not at import
-    op = getattr(torch.ops.aten, name, None)
-    if op is None:  # pragma: no cover - only on a torch that dropped them
-        raise RuntimeError(
-            f"{_NAME}: this torch has no torch.ops.aten.{name}, which GradScaler uses"
-        )
-    return op
+    # GradScaler's kernels, through the functional ops torch generates for them (they copy
+    # their inputs before the in-place kernel runs)
+    return aten_op(name, _NAME)
 
 
 def _check_state(caller: str, state: Any) -> tuple[torch.Tensor, torch.Tensor]:

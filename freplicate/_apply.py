@@ -1,335 +1,436 @@
 """``apply(module, state, ...)``: run a module's forward with a state bound.
 
-``apply`` computes what ``torch.func.functional_call`` computes, without
-touching the caller's module, through a *skeleton*: a shallow copy of every
-submodule object that holds a tensor somewhere below it (the seed
-``replicate``'s per-device copies), with ``_parameters`` / ``_buffers`` /
-``_modules`` dicts of its own. Binding a state writes those dicts only, so
-two threads never see each other's tensors and replicas run truly in
-parallel (no lock around the forward).
+``apply`` computes what ``torch.func.functional_call`` computes, under one
+contract eager and while ``torch.compile`` traces (the table in
+docs/apply.md): a state's names are read against the module's *layout*
+(where each tensor sits, and every name it is reachable under) by one
+function, ``_resolve``, and only the binding differs.
 
-Three things shape the binding:
-
-- **Structure without hooks.** What ``apply`` knows of a module (a
-  ``_Binder``: where each tensor sits, which names are tied) is checked on
-  every call against the modules themselves: the identity of every value in
-  the copied modules' tensor and child dicts, at C speed. Any change (a
-  parameter deleted, set to ``None``, replaced or newly tied, a child
-  inserted or swapped) rebuilds it. Nothing is installed process-wide.
-- **No leak.** A binder holds its modules only weakly, and a skeleton at
-  rest holds none of the originals' attributes (hooks that refer to their
-  module would otherwise keep it alive through the cache).
-- **Autograd's recomputation.** Activation checkpointing re-runs parts of the
-  forward during backward, on the module objects it captured (the skeleton's
-  copies). A skeleton stays bound to its call's tensors for as long as
-  anything outside it still refers to one of its copies (checked by
-  reference counts when the forward returns); only a skeleton that nothing
-  else holds is unbound and reused. While ``torch.compile`` traces, the
-  binding is ``torch.func.functional_call`` itself, which Dynamo understands.
+- **Eager: fresh copies per call.** A call binds its tensors into new shallow
+  copies of the submodules that hold a tensor somewhere below them (the seed
+  ``replicate``'s per-device copies): each copy has ``_parameters`` /
+  ``_buffers`` / ``_modules`` dicts of its own and the original's other
+  attributes as they are at the call (``training``, hooks). Nothing of the
+  caller's module is written, so threads never see each other's tensors and
+  replicas run truly in parallel; whatever keeps a copy alive (a checkpoint
+  that recomputes the forward during backward) keeps that call's tensors with
+  it. What the copies are made from, a ``_Plan``, is cached per module, holds
+  the modules only weakly, and is checked on every call against the modules
+  themselves: any change of structure rebuilds it.
+- **Traced: ``functional_call``.** While Dynamo traces, the binding is
+  ``torch.func.functional_call`` (which Dynamo compiles without a break), given
+  one name per place a tensor sits, so that a shared submodule is rebound once
+  and restored once.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
-import sys
+import types
 import weakref
-from collections import deque
-from collections.abc import Callable
-from itertools import repeat
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import _caches
+from . import _caches, _torch
 from ._checks import check_state
 from ._state import State
-from ._torch import is_compiling
 
 __all__ = ["apply"]
 
-_MISSING: Any = object()
-_SET_ATTR = object.__setattr__  # past nn.Module.__setattr__: the copy's __dict__ itself
-_DICT = operator.attrgetter("__dict__")
-_DEREF = weakref.ref.__call__
-_PARAMS = operator.itemgetter("_parameters")
-_BUFFERS = operator.itemgetter("_buffers")
-_MODULES = operator.itemgetter("_modules")
-_VALUES = dict.values
-_CHAIN = itertools.chain.from_iterable
-_REFCOUNT = sys.getrefcount
-_FIRST = operator.itemgetter(0)
-_SECOND = operator.itemgetter(1)
-# At most this many idle skeletons are kept per module (one per concurrent caller).
-_POOL_SIZE = 8
-# where a tensor is bound: (index of the copy, key, canonical name)
+_CALLER = "fr.apply"
+_OWN = ("_parameters", "_buffers", "_modules")
+# where a tensor sits: (index of its module, key in that module's dict, canonical name)
 _Slot = tuple[int, str, str]
 
 
-class _Skeleton:
-    """One shallow copy of a module tree, with its own tensor and child dicts.
+def _name(prefix: str) -> str:
+    return f"module.{prefix}" if prefix else "module"
 
-    At rest, a copy's attribute dict holds only its own three dicts, whose
-    tensor slots hold ``None``: no caller tensor and no attribute of the
-    originals (hooks that may refer to their module) is kept alive. Its
-    ``_modules`` holds only the copies of its copied children; the other
-    children (tensorless modules) are taken from the original on each call.
+
+def _modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``list(module.named_modules())``: each module once, under its first name, in that order.
+
+    Walked here so that a TorchScript module is refused before anything
+    reads its children (a traced one's attributes are off limits to Dynamo).
+    """
+    named: list[tuple[str, nn.Module]] = []
+    seen: set[int] = set()
+    stack = [("", module)]
+    while stack:
+        prefix, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if isinstance(m, torch.jit.ScriptModule):
+            raise TypeError(
+                f"{_CALLER}: {_name(prefix)} is a TorchScript module (torch.jit.script or "
+                "torch.jit.trace), whose tensors cannot be rebound from Python; pass the "
+                "nn.Module it was made from (script or trace the step afterwards if you like)"
+            )
+        named.append((prefix, m))
+        children = [
+            (f"{prefix}.{k}" if prefix else k, c) for k, c in m._modules.items() if c is not None
+        ]
+        stack.extend(reversed(children))
+    return named
+
+
+class _Layout:
+    """Where each tensor of a module sits, and every name it is reachable under.
+
+    Built by one walk that visits each module once (a module graph with a
+    cycle, ``m.child.parent = m``, is walked as ``named_modules()`` walks it).
+    A tensor's *canonical* name is its first, as ``fr.state`` gives it;
+    ``alias`` maps every name ``named_parameters(remove_duplicate=False)``
+    would give (tied weights, shared submodules, each path once) to it. Holds
+    names and positions only, never a module: ``named`` is ``_modules(module)``,
+    whose positions the slots refer to.
     """
 
-    __slots__ = ("at_bound", "at_rest", "bdicts", "blank", "call", "copies", "kids", "own", "pdicts")
-
-    def __init__(self, binder: _Binder, mods: list[nn.Module]) -> None:
-        # ``mods``: the copied modules, checked against ``binder``'s structure just now
-        copies = [m.__new__(type(m)) for m in mods]
-        self.pdicts: list[dict[str, Any]] = [dict.fromkeys(m._parameters) for m in mods]
-        self.bdicts: list[dict[str, Any]] = [dict.fromkeys(m._buffers) for m in mods]
-        self.kids: list[dict[str, nn.Module]] = [{} for _ in mods]
-        for parent, key, child in binder.links:
-            self.kids[parent][key] = copies[child]
-        self.own = [
-            {"_parameters": p, "_buffers": b, "_modules": k}
-            for p, b, k in zip(self.pdicts, self.bdicts, self.kids)
+    def __init__(self, named: list[tuple[str, nn.Module]]) -> None:
+        modules = [m for _, m in named]
+        self.prefixes = [f"{p}." if p else "" for p, _ in named]
+        index = {id(m): i for i, m in enumerate(modules)}
+        self.children = [
+            [(key, index[id(c)]) for key, c in m._modules.items() if c is not None] for m in modules
         ]
-        self.blank = [(dict(p), dict(b)) for p, b in zip(self.pdicts, self.bdicts)]
-        deque(map(_SET_ATTR, copies, repeat("__dict__"), self.own), 0)
-        self.copies = copies
-        self.call: Callable[..., Any] = copies[0]
-        if binder.compiled is not None:
-            # torch.compile(m): a compiled wrapper of the copy of m, made as torch.compile makes
-            # one (its compiled code would otherwise run on m itself and ignore the state);
-            # the wrapper reads the copy's attributes once, so lend it the original's
-            j = self.copies.index(self.kids[0]["_orig_mod"])
-            _SET_ATTR(copies[j], "__dict__", mods[j].__dict__ | self.own[j])
-            self.call = binder.compiled(copies[j])
-            _SET_ATTR(copies[j], "__dict__", self.own[j])
-        self.at_rest: list[int] = []
-        self.at_bound: list[int] = []
+        canonical: dict[int, str] = {}
+        self.param_slots = self._slots(modules, "_parameters", canonical)
+        self.buffer_slots = self._slots(modules, "_buffers", canonical)
+        self.param_names = frozenset(name for _, _, name in self.param_slots)
+        self.buffer_names = list(dict.fromkeys(name for _, _, name in self.buffer_slots))
+        self.alias = self._every_name()
 
-    def counts(self) -> list[int]:
-        """Reference counts of the copies: above the expected, something outside holds one."""
-        return list(map(_REFCOUNT, self.copies))
+    def _slots(self, modules: list[nn.Module], kind: str, canonical: dict[int, str]) -> list[_Slot]:
+        slots = []
+        for i, m in enumerate(modules):
+            for key, t in getattr(m, kind).items():
+                if t is not None:
+                    slots.append((i, key, canonical.setdefault(id(t), self.prefixes[i] + key)))
+        return slots
+
+    def _every_name(self) -> dict[str, str]:
+        """Every name of every tensor: one per path from the root that repeats no module."""
+        held: list[list[tuple[str, str]]] = [[] for _ in self.prefixes]
+        for i, key, name in (*self.param_slots, *self.buffer_slots):
+            held[i].append((key, name))
+        alias: dict[str, str] = {}
+        stack: list[tuple[int, str, tuple[int, ...]]] = [(0, "", (0,))]
+        while stack:
+            i, prefix, path = stack.pop()
+            for key, name in held[i]:
+                alias[prefix + key] = name
+            for key, j in self.children[i]:
+                if j not in path:
+                    stack.append((j, f"{prefix}{key}.", (*path, j)))
+        return alias
 
 
-class _Binder:
-    """What ``apply`` knows of one module's structure, and a pool of its skeletons.
+def _resolve(
+    layout: _Layout, params: Mapping[str, Any], buffers: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The state's tensors under their canonical names, ``params`` and ``buffers`` together.
 
-    Holds modules only weakly: a hook or attribute of a module that refers to
-    the module itself must not keep it alive through this cache. The
-    tensors of the copied modules are held (snapshots of their tensor
-    dicts, compared on every call by identity at C speed).
+    The one reading of a state's names, for both bindings: a name in both
+    dicts is a ``ValueError``, a name the module lacks a ``KeyError`` (all of
+    them named), two different tensors for tied names a ``ValueError``
+    naming both names.
+    """
+    both = [k for k in params if k in buffers]
+    if both:
+        raise ValueError(
+            f"{_CALLER}: {both[0]!r} is in both state.params and state.buffers"
+            + (f" (and {both[1:]!r})" if len(both) > 1 else "")
+            + "; give each name once"
+        )
+    for what, given in (("params", params), ("buffers", buffers)):
+        unknown = [k for k in given if k not in layout.alias]
+        if unknown:
+            raise KeyError(
+                f"{_CALLER}: state.{what} has {unknown[0]!r}, which the module does not have"
+                + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
+            )
+    values: dict[str, Any] = {}
+    given_as: dict[str, tuple[str, str]] = {}  # canonical name -> (dict, name) that gave it
+    for what, given in (("params", params), ("buffers", buffers)):
+        for k, v in given.items():
+            name = layout.alias[k]
+            if name in values and values[name] is not v:
+                first_what, first = given_as[name]
+                where = (
+                    f"state.{what} gives"
+                    if first_what == what
+                    else f"state.{first_what} and state.{what} give"
+                )
+                raise ValueError(
+                    f"{_CALLER}: {where} different tensors for the tied names {first!r} and {k!r}"
+                )
+            values[name] = v
+            given_as.setdefault(name, (what, k))
+    return values
+
+
+def _returned_buffers(
+    layout: _Layout, buffers: Mapping[str, Any], new: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The new buffers: those given first, in the given order (canonical names), then the rest."""
+    if not new:
+        return new
+    ordered = {}
+    for k in buffers:
+        name = layout.alias.get(k)
+        if name in new:
+            ordered[name] = new[name]
+    for name in layout.buffer_names:
+        ordered.setdefault(name, new[name])
+    return ordered
+
+
+# --- the eager binding
+
+
+class _Plan:
+    """How to copy one module for a call: its layout, and what each copy is made of.
+
+    Holds the modules only weakly (a hook that refers to its own module must
+    not keep it alive through this cache), and snapshots of the copied
+    modules' tensor dicts, their attribute counts and their copied children,
+    which every call compares with the modules as they are.
     """
 
     def __init__(self, module: nn.Module) -> None:
-        mods = list(module.modules())
-        index = {id(m): i for i, m in enumerate(mods)}
-        children = [
-            [(k, index[id(c)] if c is not None else -1) for k, c in m._modules.items()]
-            for m in mods
-        ]
-        canon: dict[int, str] = {}
-        for name, p in module.named_parameters():
-            canon.setdefault(id(p), name)
-        for name, t in module.named_buffers():
-            canon.setdefault(id(t), name)
-        # every name a tensor is reachable under (tied weights, shared submodules)
-        self.alias: dict[str, str] = {}
-        for name, p in module.named_parameters(remove_duplicate=False):
-            self.alias[name] = canon[id(p)]
-        for name, t in module.named_buffers(remove_duplicate=False):
-            self.alias[name] = canon[id(t)]
-        self.canonical_names = frozenset(canon.values())
-        # Only modules with a tensor somewhere below them need a copy of their own;
-        # the rest (activations, dropout, ...) hold nothing to bind, and the skeleton
-        # calls the originals, so each call refreshes fewer attribute dicts.
+        named = _modules(module)
+        layout = self.layout = _Layout(named)
+        mods = [m for _, m in named]
+        # Only modules with a tensor somewhere below them need a copy of their own; the rest
+        # (activations, dropout, ...) hold nothing to bind, and run as themselves.
         needs = [bool(m._parameters or m._buffers) for m in mods]
         grew = True
-        while grew:  # up from every holder to the root (shared submodules: any order)
+        while grew:  # up from every holder to the root (any order: shared submodules, cycles)
             grew = False
-            for i, kids in enumerate(children):
-                if not needs[i] and any(j >= 0 and needs[j] for _, j in kids):
+            for i, kids in enumerate(layout.children):
+                if not needs[i] and any(needs[j] for _, j in kids):
                     needs[i] = grew = True
-        needs[0] = True  # the root is always a copy: the call goes through it
-        copied = [i for i, n in enumerate(needs) if n]
-        position = {i: k for k, i in enumerate(copied)}
-        self.param_slots: list[_Slot] = [
-            (position[i], key, canon[id(p)])
-            for i, m in enumerate(mods)
-            for key, p in m._parameters.items()
-            if p is not None
-        ]
-        self.buffer_slots: list[_Slot] = [
-            (position[i], key, canon[id(b)])
-            for i, m in enumerate(mods)
-            for key, b in m._buffers.items()
-            if b is not None
-        ]
-        self.param_at = [k for k, _, _ in self.param_slots]
-        self.param_keys = [key for _, key, _ in self.param_slots]
-        self.param_canon = [c for _, _, c in self.param_slots]
-        self.param_names = frozenset(self.param_canon)
-        self.buffer_names = list(dict.fromkeys(slot[2] for slot in self.buffer_slots))
-        # the structure each call checks: copied modules, their tensor dicts, copied children
-        self.refs = [weakref.ref(mods[i]) for i in copied]
-        self.with_params = [k for k, i in enumerate(copied) if mods[i]._parameters]
-        self.snap_params = [dict(mods[copied[k]]._parameters) for k in self.with_params]
-        self.with_buffers = [k for k, i in enumerate(copied) if mods[i]._buffers]
-        self.snap_buffers = [dict(mods[copied[k]]._buffers) for k in self.with_buffers]
-        self.links = [
-            (position[i], key, position[j])
-            for i in copied
-            for key, j in children[i]
-            if j >= 0 and needs[j]
-        ]
-        self.link_child = [c for _, _, c in self.links]
-        # per parent: its copied children's keys and positions, each looked up in one C call
-        by_parent: dict[int, list[tuple[str, int]]] = {}
-        for parent, key, child in self.links:
-            by_parent.setdefault(parent, []).append((key, child))
+        needs[0] = True  # the root is always copied: the call goes through it
+        copied = [i for i, need in enumerate(needs) if need]
+        at = {i: k for k, i in enumerate(copied)}
+        originals = [mods[i] for i in copied]
+        self.refs = [weakref.ref(m) for m in originals]
+        self.classes = [type(m) for m in originals]
+        self.param_names = layout.param_names
+        self.buffer_names = frozenset(layout.buffer_names) - layout.param_names
+        self.param_slots = [(at[i], key, name) for i, key, name in layout.param_slots]
+        self.buffer_slots = [(at[i], key, name) for i, key, name in layout.buffer_slots]
+        self.kids = [[(key, at[j]) for key, j in layout.children[i] if needs[j]] for i in copied]
+        self.parents = {child: (k, key) for k, kids in enumerate(self.kids) for key, child in kids}
         self.kid_checks = [
-            (parent, _getter([k for k, _ in kids]), _getter([c for _, c in kids]))
-            for parent, kids in by_parent.items()
+            (k, [key for key, _ in kids], [j for _, j in kids])
+            for k, kids in enumerate(self.kids)
+            if kids
         ]
-        # copies whose _modules must be merged with the original's on each call
-        self.with_children = [k for k, i in enumerate(copied) if mods[i]._modules]
-        self.compiled = _dynamo_context(module)
-        self.pool: list[_Skeleton] = []
+        # the structure every call checks
+        self.sizes = [len(m.__dict__) for m in originals]
+        self.param_dicts = [dict(m._parameters) for m in originals]
+        self.buffer_dicts: list[dict[str, Any]] = [dict(m._buffers) for m in originals]
+        self.has_buffers = any(self.buffer_dicts)
+        # a one-element tensor compares equal to another of the same value: such dicts are
+        # compared by identity too
+        self.exact = [
+            k
+            for k, m in enumerate(originals)
+            if any(
+                t is not None and t.numel() == 1
+                for t in (*m._parameters.values(), *m._buffers.values())
+            )
+        ]
+        self.where = [_name(layout.prefixes[i][:-1]) for i in copied]
+        self.special = [
+            []
+            if _torch.compiled_module(m) is not None  # made afresh for each call
+            else [
+                key for key, v in m.__dict__.items() if _attribute_kind(where, key, v, m.__dict__)
+            ]
+            for m, where in zip(originals, self.where)
+        ]
+        self.rebinds = [k for k, keys in enumerate(self.special) if keys]
+        self.compiled: list[tuple[int, int, Callable[[nn.Module], nn.Module]]] = []
+        for k, m in enumerate(originals):
+            found = _torch.compiled_module(m)
+            if found is not None:
+                inner, wrap = found
+                self.compiled.append((k, copied.index(mods.index(inner)), wrap))
 
     def originals(self) -> list[dict[str, Any]] | None:
         """The copied modules' attribute dicts now, or ``None`` if the structure changed."""
-        mods = list(map(_DEREF, self.refs))
+        mods = [ref() for ref in self.refs]
         if None in mods:
             return None
-        dicts = list(map(_DICT, mods))
-        at = dicts.__getitem__
+        dicts = [m.__dict__ for m in mods]
         try:
-            if list(map(_PARAMS, map(at, self.with_params))) != self.snap_params:
+            if (
+                [len(d) for d in dicts] != self.sizes
+                or [d["_parameters"] for d in dicts] != self.param_dicts
+                or (self.has_buffers and [d["_buffers"] for d in dicts] != self.buffer_dicts)
+            ):
                 return None
-            if self.with_buffers and list(map(_BUFFERS, map(at, self.with_buffers))) != self.snap_buffers:
-                return None
-            for parent, keys, positions in self.kid_checks:
-                if keys(dicts[parent]["_modules"]) != positions(mods):
-                    return None
-        except (KeyError, RuntimeError):  # a child gone; tensors compared by value: changed
+        except RuntimeError:  # a tensor replaced, compared by value (ambiguous): changed
             return None
+        for k in self.exact:
+            d = dicts[k]
+            for now, then in (
+                (d["_parameters"], self.param_dicts[k]),
+                (d["_buffers"], self.buffer_dicts[k]),
+            ):
+                if any(a is not b for a, b in zip(now.values(), then.values())):
+                    return None
+        for k, keys, positions in self.kid_checks:
+            children = dicts[k]["_modules"]
+            if [children.get(key) for key in keys] != [mods[j] for j in positions]:
+                return None
         return dicts
 
-    def skeleton(self) -> _Skeleton:
-        try:
-            return self.pool.pop()  # atomic: no lock, each caller its own skeleton
-        except IndexError:
-            pass
-        mods = list(map(_DEREF, self.refs))
-        skel = _Skeleton(self, mods)  # type: ignore[arg-type]
-        del mods
-        skel.at_rest = skel.counts()  # here, where no local refers to a copy
-        # while bound, each copied child is also held by its parent's merged child dict
-        bound = list(skel.at_rest)
-        for child in self.link_child:
-            bound[child] += 1
-        skel.at_bound = bound
-        return skel
 
-    def release(self, skel: _Skeleton) -> None:
-        if len(self.pool) < _POOL_SIZE:
-            self.pool.append(skel)
+def _attribute_kind(where: str, key: str, value: Any, owner: dict[str, Any]) -> str | None:
+    """How a copy takes its original's instance attribute ``key``: as it is (``None``), or not.
 
-
-def _getter(items: list[Any]) -> Callable[[Any], tuple[Any, ...]]:
-    """``itemgetter`` that always returns a tuple (one item included)."""
-    if len(items) == 1:
-        get = operator.itemgetter(items[0])
-        return lambda x: (get(x),)
-    return operator.itemgetter(*items)  # type: ignore[return-value]
-
-
-def _dynamo_context(module: nn.Module) -> Callable[[nn.Module], nn.Module] | None:
-    """For ``torch.compile(m)``: a function wrapping a copy of ``m`` as ``m`` is wrapped."""
-    orig = module.__dict__.get("_modules", {}).get("_orig_mod")
-    ctx = module.__dict__.get("dynamo_ctx")
-    if orig is None or ctx is None or type(module).__name__ != "OptimizedModule":
-        return None
-    return lambda copy: type(module)(copy, ctx)  # type: ignore[call-arg]
+    ``owner`` is the original's attribute dict. A method bound to the original
+    itself (``m.forward = m.other``) is bound to the copy instead
+    (``"method"``); ``module.compile()``'s compiled ``_call_impl`` is dropped,
+    so that the copy runs uncompiled as a deep copy of the module does
+    (``"compiled"``). Any other wrapper of the original's own method, and an
+    instance-level ``forward`` of any other kind (a closure, a partial: it may
+    compute with the original's own tensors), is refused.
+    """
+    if isinstance(value, types.MethodType) and getattr(value.__self__, "__dict__", None) is owner:
+        return "method"
+    if key == _torch.COMPILED_CALL:
+        return None if value is None else "compiled"
+    wrapped = getattr(value, "__wrapped__", None)
+    if key == "forward" or (
+        isinstance(wrapped, types.MethodType)
+        and getattr(wrapped.__self__, "__dict__", None) is owner
+    ):
+        raise TypeError(
+            f"{_CALLER}: {where}.{key} is set on the module object ({type(value).__name__}) and "
+            "may compute with the module's own tensors, which fr.apply cannot rebind; define it "
+            "as a method of the class (to compile, torch.compile the function that calls fr.apply)"
+        )
+    return None
 
 
-_BINDERS: weakref.WeakKeyDictionary[nn.Module, _Binder] = weakref.WeakKeyDictionary()
-_caches.register(_BINDERS.clear)
+_PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
+_caches.register(_PLANS.clear)
 
 
-def _binder(module: nn.Module) -> tuple[_Binder, list[dict[str, Any]]]:
-    """The module's binder, checked against the module as it is now (rebuilt if it changed)."""
-    b = _BINDERS.get(module)
-    if b is not None:
-        dicts = b.originals()
+def _plan(module: nn.Module, *, fresh: bool = False) -> tuple[_Plan, list[dict[str, Any]]]:
+    """The module's plan, checked against the module as it is now (rebuilt if it changed)."""
+    plan = None if fresh else _PLANS.get(module)
+    if plan is not None:
+        dicts = plan.originals()
         if dicts is not None:
-            return b, dicts
-    b = _Binder(module)
-    _BINDERS[module] = b
-    dicts = b.originals()
+            return plan, dicts
+    plan = _PLANS[module] = _Plan(module)
+    dicts = plan.originals()
     assert dicts is not None
-    return b, dicts
+    return plan, dicts
 
 
-def _canonical(given: dict[str, Any], b: _Binder, what: str) -> dict[str, Any] | None:
-    """``given`` under canonical names; ``None`` if it names something the binder lacks."""
-    if given.keys() <= b.canonical_names:  # the common case, checked at C speed
-        return given
-    alias = b.alias
-    if any(k not in alias for k in given):
-        return None
-    if all(alias[k] == k for k in given):
-        return given
-    out: dict[str, Any] = {}
-    for k, v in given.items():
-        c = alias[k]
-        if c in out and out[c] is not v:
-            raise ValueError(
-                f"fr.apply: state.{what} gives different tensors for the tied names {c!r} and {k!r}"
-            )
-        out[c] = v
-    return out
+def _bind(
+    plan: _Plan,
+    dicts: list[dict[str, Any]],
+    values: Mapping[str, Any],
+    buffer_values: Mapping[str, Any],
+) -> tuple[Callable[..., Any], list[dict[str, Any]]]:
+    """New copies of the plan's modules with the state bound: the call, and each copy's buffers.
 
-
-def _unknown(given: dict[str, Any], b: _Binder, what: str) -> KeyError:
-    unknown = [k for k in given if k not in b.alias]
-    return KeyError(
-        f"fr.apply: state.{what} has {unknown[0]!r}, which the module does not have"
-        + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
-    )
+    ``values`` and ``buffer_values`` map canonical names to the parameters'
+    and the buffers' tensors (one dict for both, once resolved); a name
+    they lack keeps the module's own tensor (a buffer: a clone of it, as
+    every buffer is cloned).
+    """
+    copies = [cls.__new__(cls) for cls in plan.classes]
+    params = [p.copy() for p in plan.param_dicts]  # the originals' as they are (just checked)
+    for k, key, name in plan.param_slots:
+        value = values.get(name)
+        if value is not None:
+            params[k][key] = value
+    buffers = [b.copy() for b in plan.buffer_dicts]
+    clones: dict[str, torch.Tensor] = {}
+    for k, key, name in plan.buffer_slots:
+        clone = clones.get(name)
+        if clone is None:
+            value = buffer_values.get(name)
+            clone = clones[name] = (buffers[k][key] if value is None else value).clone()
+        buffers[k][key] = clone
+    for copy, d, p, b, kids in zip(copies, dicts, params, buffers, plan.kids):
+        children = d["_modules"].copy()
+        for key, j in kids:
+            children[key] = copies[j]
+        fresh = d.copy()
+        fresh["_parameters"] = p
+        fresh["_buffers"] = b
+        fresh["_modules"] = children
+        object.__setattr__(copy, "__dict__", fresh)
+    for k in plan.rebinds:
+        copy_dict = copies[k].__dict__
+        for key in plan.special[k]:
+            value = copy_dict[key]
+            kind = _attribute_kind(plan.where[k], key, value, dicts[k])
+            if kind == "method":
+                copy_dict[key] = types.MethodType(value.__func__, copies[k])
+            elif kind == "compiled":
+                copy_dict[key] = None
+    for k, inner, wrap in plan.compiled:
+        wrapper = copies[k] = wrap(copies[inner])
+        if k in plan.parents:
+            parent, key = plan.parents[k]
+            copies[parent].__dict__["_modules"][key] = wrapper
+    return copies[0], buffers
 
 
 def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tuple[Any, State]:
     """Run ``module``'s forward with ``state`` bound; return ``(output, new_state)``.
 
-    Equivalent to ``torch.func.functional_call(module, {**params, **buffers},
-    args, kwargs)``, but safe to call from several threads at once on one
-    module, and nothing is modified: buffers are copied before the forward,
-    and their values after it (BatchNorm statistics) come back in
-    ``new_state.buffers``; ``new_state.params`` is ``state.params``. Names
-    missing from ``state`` fall back to the module's own tensors.
+    Computes what ``torch.func.functional_call(module, {**params,
+    **buffers}, args, kwargs)`` computes, but safe to call from several
+    threads at once on one module, and nothing is modified: buffers are
+    cloned before the forward, and their values after it (updated in place,
+    as BatchNorm's statistics, or reassigned, ``self.avg = ...``) come back
+    in ``new_state.buffers``; ``new_state.params`` is ``state.params``.
+    Names missing from ``state`` fall back to the module's own tensors. The
+    same holds, with the same errors, while ``torch.compile`` traces the
+    call (it traces as ``functional_call``, without a graph break): the
+    contract, mode by mode, is the table in docs/apply.md.
 
     The binding lasts as long as the call's autograd graph can replay the
     forward (activation checkpointing recomputes with the state's tensors,
-    not the module's). A ``torch.compile``-d module runs its compiled code
-    with the state bound. Under ``torch.compile`` the call traces as
-    ``functional_call`` (no graph break).
+    not the module's). A ``torch.compile``-d module (or submodule) runs its
+    compiled code with the state bound; one compiled in place
+    (``module.compile()``) runs uncompiled, as its deep copy does.
 
     Args:
         module: the module whose forward runs; never modified.
         state: an ``fr.State(params, buffers)``: dicts of tensors keyed by
-            qualified name (tied names may be given under any of their names).
+            qualified name (tied names may be given under any of their names;
+            which of the two dicts holds a name does not matter).
         *args: positional arguments of the forward.
         **kwargs: keyword arguments of the forward.
 
     Returns:
         ``(output, new_state)``: the forward's output, and ``State(state.params,
-        buffers after the forward)``.
+        buffers after the forward)``: the given buffers first, in their order
+        and under their first names, then the module's others.
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module``, or ``state`` is not a
-            ``State`` of dicts of tensors (the message names the bad entry).
+        TypeError: ``module`` is not an ``nn.Module``, holds a TorchScript
+            module, or sets ``forward`` (or a wrapper of its own method) on
+            the module object; ``state`` is not a ``State`` of dicts of tensors
+            (the message names the bad entry).
         KeyError: ``state`` names a tensor the module does not have.
-        ValueError: two tied names are given different tensors.
+        ValueError: a name is in both ``state.params`` and ``state.buffers``,
+            or two tied names are given different tensors.
 
     >>> import freplicate as fr
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -341,111 +442,68 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     (1, 0)
     """
     if not isinstance(module, nn.Module):
-        raise TypeError(f"fr.apply: module must be an nn.Module, got {type(module).__name__}")
-    check_state("fr.apply", state, entries=False)
-    if is_compiling():
-        return _traced(module, state, args, kwargs)
-    b, dicts = _binder(module)
-    params: dict[str, Any] = state[0]
-    buffers: dict[str, Any] = state[1]
-    # every parameter under its first name (what fr.state gives): one pass decides
-    complete = params.keys() == b.param_names
-    if not complete or buffers:
-        canon_p = params if complete else _canonical(params, b, "params")
-        canon_b = _canonical(buffers, b, "buffers")
-        if canon_p is None or canon_b is None:
-            # a name the cached structure lacks, perhaps in a module it does not watch
-            b = _BINDERS[module] = _Binder(module)
-            dicts = b.originals()  # type: ignore[assignment]
-            canon_p = params if complete else _canonical(params, b, "params")
-            canon_b = _canonical(buffers, b, "buffers")
-            if canon_p is None:
-                raise _unknown(params, b, "params")
-            if canon_b is None:
-                raise _unknown(buffers, b, "buffers")
-        params, buffers = canon_p, canon_b
-        complete = params.keys() >= b.param_names
-    skel = b.skeleton()
-    bound = False
-    try:
-        # each copy gets a new attribute dict: its original's, with its own tensor dicts
-        # (``original | own``, a C-level clone): train()/eval() and any attribute change are
-        # seen, and an attribute a forward sets on the copy is forgotten. Children: the
-        # original's (tensorless ones as they are now), with the copies in place of the
-        # copied ones.
-        fresh = list(map(operator.or_, dicts, skel.own))
-        if b.with_children:
-            at = dicts.__getitem__
-            merged = map(operator.or_, map(_MODULES, map(at, b.with_children)), map(skel.kids.__getitem__, b.with_children))
-            deque(map(operator.setitem, map(fresh.__getitem__, b.with_children), repeat("_modules"), merged), 0)
-        deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), fresh), 0)
-        del fresh
-        bound = True
-        pdicts = skel.pdicts
-        if complete:  # every parameter given: bind at C speed
-            targets = map(pdicts.__getitem__, b.param_at)
-            values = map(params.__getitem__, b.param_canon)
-            deque(map(operator.setitem, targets, b.param_keys, values), 0)
-        else:
-            pget, bget = params.get, buffers.get
-            for at_, key, canon in b.param_slots:
-                v = pget(canon, _MISSING)
-                if v is _MISSING:
-                    v = bget(canon, _MISSING)
-                    if v is _MISSING:
-                        v = dicts[at_]["_parameters"][key]
-                pdicts[at_][key] = v
-        new_buffers: dict[str, torch.Tensor] = {}
-        if b.buffer_slots:
-            bget, pget = buffers.get, params.get
-            for at_, key, canon in b.buffer_slots:
-                v = new_buffers.get(canon)
-                if v is None:
-                    v = bget(canon, _MISSING)
-                    if v is _MISSING:
-                        v = pget(canon, _MISSING)
-                        if v is _MISSING:
-                            v = dicts[at_]["_buffers"][key]
-                    if not isinstance(v, torch.Tensor):
-                        check_state("fr.apply", state)
-                    v = new_buffers[canon] = v.clone()
-                skel.bdicts[at_][key] = v
-        try:
-            out = skel.call(*args, **kwargs)
-        except Exception:
-            check_state("fr.apply", state)  # a non-tensor in the state: say so, not torch
-            raise
-        if b.buffer_slots:  # a forward may rebind a buffer (``self.buf = new``)
-            new_buffers = {canon: skel.bdicts[at_][key] for at_, key, canon in b.buffer_slots}
-    finally:
-        del dicts
-        if bound and skel.counts() == skel.at_bound:
-            _unbind(b, skel)
-            b.release(skel)
-        # else: something outside (a checkpoint's recomputation, a forward that kept
-        # ``self``) still holds a copy: the skeleton stays bound to this call's tensors
-        # until that is gone, and is never reused.
-    ordered = {k: new_buffers[k] for k in buffers if k in new_buffers}
-    for k in b.buffer_names:
-        ordered.setdefault(k, new_buffers[k])
-    return out, State(state[0], ordered)
-
-
-def _unbind(b: _Binder, skel: _Skeleton) -> None:
-    """Back to rest: no caller tensor, no attribute of the originals kept alive."""
-    deque(map(_SET_ATTR, skel.copies, repeat("__dict__"), skel.own), 0)
-    deque(map(dict.update, skel.pdicts, map(_FIRST, skel.blank)), 0)
-    if b.buffer_slots:
-        deque(map(dict.update, skel.bdicts, map(_SECOND, skel.blank)), 0)
-
-
-def _traced(module: nn.Module, state: State, args: Any, kwargs: Any) -> tuple[Any, State]:
-    """The binding while Dynamo traces: ``functional_call``, which it compiles without a break."""
+        raise TypeError(f"{_CALLER}: module must be an nn.Module, got {type(module).__name__}")
+    # for speed: check_state's isinstance(..., Mapping) only where the types are not exact
+    # (docs/benchmarks.md, issue 19)
+    if type(state) is not State or type(state[0]) is not dict or type(state[1]) is not dict:
+        check_state(_CALLER, state, entries=False)
     params, buffers = state
-    named = dict(module.named_buffers())
-    new_buffers = {k: v.clone() for k, v in buffers.items()}
-    for k, v in named.items():
-        if k not in new_buffers and k not in params:
-            new_buffers[k] = v.clone()
-    out = torch.func.functional_call(module, {**params, **new_buffers}, args, kwargs)
-    return out, State(params, new_buffers)
+    if _torch.is_compiling():
+        return _traced(module, params, buffers, args, kwargs)
+    plan, dicts = _plan(module)
+    # for speed: the names fr.state gives need no resolving (docs/benchmarks.md, issue 19)
+    if params.keys() == plan.param_names and buffers.keys() <= plan.buffer_names:
+        values, buffer_values = params, buffers
+    else:
+        try:
+            values = buffer_values = _resolve(plan.layout, params, buffers)
+        except KeyError:
+            # perhaps a name of a module the plan does not watch (a tensorless one that
+            # gained a tensor): read the module afresh before saying so
+            plan, dicts = _plan(module, fresh=True)
+            values = buffer_values = _resolve(plan.layout, params, buffers)
+    try:
+        call, buffer_dicts = _bind(plan, dicts, values, buffer_values)
+        del dicts
+        out = call(*args, **kwargs)
+    except Exception:
+        check_state(_CALLER, state)  # a non-tensor in the state: say so, not torch
+        raise
+    # a forward may rebind a buffer (``self.avg = new``): read them where they are now
+    new = {name: buffer_dicts[k][key] for k, key, name in plan.buffer_slots}
+    return out, State(params, _returned_buffers(plan.layout, buffers, new))
+
+
+# --- the traced binding
+
+
+def _traced(
+    module: nn.Module, params: dict[str, Any], buffers: dict[str, Any], args: Any, kwargs: Any
+) -> tuple[Any, State]:
+    """The binding while Dynamo traces: ``functional_call``, which it compiles without a break.
+
+    The layout is read afresh (once per trace, not per run), the names
+    resolved as eager, and ``functional_call`` given one name per place a
+    tensor sits, with ``tie_weights=False``: its own untying names every path
+    to a shared submodule, swaps it once per path and restores it once per
+    path, and so leaves the module holding the state's tensors.
+    """
+    check_state(_CALLER, (params, buffers))
+    named = _modules(module)
+    layout = _Layout(named)
+    values = _resolve(layout, params, buffers)
+    bound: dict[str, Any] = {}
+    for i, key, name in layout.param_slots:
+        if name in values:
+            bound[layout.prefixes[i] + key] = values[name]
+    clones: dict[str, torch.Tensor] = {}
+    for i, key, name in layout.buffer_slots:
+        if name not in clones:
+            given = values.get(name)
+            own: Any = named[i][1]._buffers[key]  # not None: a slot holds a tensor
+            clones[name] = (own if given is None else given).clone()
+        bound[layout.prefixes[i] + key] = clones[name]
+    out = torch.func.functional_call(module, bound, args, kwargs, tie_weights=False)
+    # functional_call writes a buffer the forward reassigned back into ``bound``
+    new = {name: bound[layout.prefixes[i] + key] for i, key, name in layout.buffer_slots}
+    return out, State(params, _returned_buffers(layout, buffers, new))

@@ -374,21 +374,35 @@ def _fresh(
     has_aux: bool,
     caller: str,
 ) -> tuple[list[Any], Any] | None:
-    """The fast path: one autograd pass over fresh leaves; ``None`` for inference tensors."""
-    tensors = trees.tensors
-    rewind = Rewind(tensors)
+    """The fast path: one autograd pass over fresh leaves; ``None`` for inference tensors.
 
-    def attempt() -> tuple[list[Any], Any] | None:
-        made = fresh_leaves(leaves_for(tensors), tensors, trees, caller)
+    Only a layout that stacks tensors can meet a sparse gradient in a stack,
+    so only then is the random state kept for a second run (``retrying``).
+    """
+    tensors = trees.tensors
+
+    def attempt(layout: Leaves) -> tuple[list[Any], Any] | None:
+        made = fresh_leaves(layout, tensors, trees, caller)
         if made is None:
             return None
         layout, diff, fresh = made
-        with torch.enable_grad():
+
+        def run() -> tuple[list[Any], Any]:
             value, aux = split_output(fn(*trees.args_with(args, fresh), **kwargs), has_aux, caller)
             grads, _ = gradients_of(value, diff, caller)
-        return trees.rebuild(layout.split(grads)), detached(value, aux, has_aux)
+            return trees.rebuild(layout.split(grads)), detached(value, aux, has_aux)
 
-    return retrying(attempt, rewind, tensors)
+        if torch.is_grad_enabled():  # for speed: enable_grad only if off (docs/benchmarks.md)
+            return run()
+        with torch.enable_grad():
+            return run()
+
+    layout = leaves_for(tensors)
+    if layout is UNSTACKED:
+        return attempt(layout)
+    # the retry follows unstack(tensors): their layout is UNSTACKED from then on
+    layouts = iter([layout])
+    return retrying(lambda: attempt(next(layouts, UNSTACKED)), Rewind(tensors), tensors)
 
 
 def _through_graph(

@@ -18,11 +18,11 @@ before it clips.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ._torch import foreach_mul, foreach_norm, foreach_supported, groups_by_device_and_dtype
 from ._tree import flatten_in_order, paths_of, unflatten
 from ._typing import T, TensorTree
 
@@ -30,32 +30,13 @@ __all__ = ["clip_grad_norm", "clip_with_norm", "norm_pieces"]
 
 _CALLER = "fr.clip_grad_norm"
 
-# torch's own grouping and foreach test (private names), so that the groups
-# come in torch's order; without them, groups in order of first appearance
-# and the per-tensor path: the same norms, only the total's last bit may differ.
-_group: Callable[..., Any] | None
-_foreach_ok: Callable[..., bool] | None
-try:
-    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype as _group
-    from torch.utils._foreach_utils import _has_foreach_support as _foreach_ok
-except ImportError:  # pragma: no cover - only on a torch that moved them
-    _group = _foreach_ok = None
-
-
 def _groups(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int]]]:
     """``tensors`` split by (device, dtype), with their positions, in torch's order of groups."""
-    if _group is not None:
-        return [(lists[0], idx) for lists, idx in _group([tensors], True).values()]
-    by: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
-    for k, t in enumerate(tensors):  # pragma: no cover
-        group = by.setdefault((t.device, t.dtype), ([], []))
-        group[0].append(t)
-        group[1].append(k)
-    return list(by.values())  # pragma: no cover
+    return groups_by_device_and_dtype(tensors)
 
 
 def _foreach(tensors: list[torch.Tensor]) -> bool:
-    return _foreach_ok is not None and _foreach_ok(tensors, tensors[0].device)
+    return foreach_supported(tensors)
 
 
 def _gradients(grads: Any, caller: str, p: float | None = None) -> tuple[list[Any], Any, list[int]]:
@@ -92,7 +73,7 @@ def _stacked_norms(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     norms: list[torch.Tensor] = []
     for group, _ in _groups(tensors):
         if _foreach(group):
-            norms.extend(torch._foreach_norm(group, p))
+            norms.extend(foreach_norm(group, p))
         else:
             norms.extend(torch.linalg.vector_norm(g, p) for g in group)
     first = tensors[0].device
@@ -105,7 +86,7 @@ def _scaled(tensors: list[torch.Tensor], limit: float, total: torch.Tensor) -> l
     out: list[Any] = [None] * len(tensors)
     for group, idx in _groups(tensors):
         here = coef.to(group[0].device)
-        done = torch._foreach_mul(group, here) if _foreach(group) else [g.mul(here) for g in group]
+        done = foreach_mul(group, here) if _foreach(group) else [g.mul(here) for g in group]
         for k, t in zip(idx, done):
             # a 0-dim gradient promotes with the factor (float32 times a float64 norm is
             # float64); torch's in-place product computes the same and rounds it to the

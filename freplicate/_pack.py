@@ -18,12 +18,11 @@ from typing import NamedTuple, TypeVar
 
 import torch
 
-from ._torch import transform_level
+from ._torch import foreach_add, foreach_add_, is_compiling, transform_level
 
 __all__ = [
     "Layout",
     "broadcast_coalesced",
-    "buckets",
     "check_packable",
     "group_by",
     "layout_of",
@@ -73,27 +72,6 @@ def group_by(items: Iterable[V], key: Callable[[V], K]) -> dict[K, list[int]]:
 
 def device_dtype(t: torch.Tensor) -> tuple[torch.device, torch.dtype]:
     return t.device, t.dtype
-
-
-def buckets(numels: Sequence[int], itemsize: int, cap_bytes: int) -> list[range]:
-    """Split consecutive tensors into runs whose bytes stay within ``cap_bytes``.
-
-    A tensor larger than the cap gets a bucket of its own (as DDP's buckets).
-
-    >>> buckets([3, 3, 3, 10, 1], itemsize=4, cap_bytes=24)
-    [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
-    """
-    out: list[range] = []
-    start, size = 0, 0
-    for i, n in enumerate(numels):
-        nbytes = n * itemsize
-        if i > start and size + nbytes > cap_bytes:
-            out.append(range(start, i))
-            start, size = i, 0
-        size += nbytes
-    if numels:
-        out.append(range(start, len(numels)))
-    return out
 
 
 def check_packable(
@@ -267,9 +245,9 @@ def reduce_add_coalesced(
     the lists are summed leaf-wise in fused ``_foreach_add`` passes instead.
     """
     if len(tensor_lists) > 1 and _all_local(tensor_lists, device):
-        sums = list(torch._foreach_add(list(tensor_lists[0]), list(tensor_lists[1])))
+        sums = foreach_add(tensor_lists[0], tensor_lists[1])
         for lst in tensor_lists[2:]:
-            torch._foreach_add_(sums, list(lst))  # our own fresh sums
+            foreach_add_(sums, lst)  # our own fresh sums
         return sums
     first = tensor_lists[0]
     # group positions by dtype and by the devices they lie on in every list
@@ -294,8 +272,11 @@ def reduce_add_coalesced(
 
 
 def _all_local(tensor_lists: Sequence[Sequence[torch.Tensor]], device: torch.device) -> bool:
-    """Every tensor strided, on ``device``, outside autograd and any ``torch.func`` transform."""
-    if transform_level() is not None:
+    """Every tensor strided, on ``device``, eager, outside autograd and any ``torch.func`` transform.
+
+    While Dynamo traces, the packed sum below is the one path (the compiler fuses it).
+    """
+    if is_compiling() or transform_level() is not None:
         return False
     return all(
         t.device == device and t.layout == torch.strided and not t.requires_grad

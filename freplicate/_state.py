@@ -127,18 +127,30 @@ def combine(*parts: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         A new dict with every entry of every part.
 
     Raises:
-        ValueError: a name appears in two parts.
+        TypeError: a part is not a dict.
+        ValueError: a name appears in two parts (the message names it and
+            both parts), as ``fr.apply`` refuses a name in both
+            ``state.params`` and ``state.buffers``.
 
     >>> import freplicate as fr
     >>> fr.combine({"a": torch.ones(1)}, {"b": torch.zeros(1)})
     {'a': tensor([1.]), 'b': tensor([0.])}
+    >>> fr.combine({"a": torch.ones(1)}, {"a": torch.zeros(1)})
+    Traceback (most recent call last):
+    ...
+    ValueError: fr.combine: 'a' is in both parts[0] and parts[1]; give each name in one part only
     """
     out: dict[str, torch.Tensor] = {}
+    part_of: dict[str, int] = {}
     for i, part in enumerate(parts):
         if not isinstance(part, Mapping):
             raise TypeError(f"fr.combine: parts[{i}] must be a dict, got {type(part).__name__}")
         for name, value in part.items():
             if name in out:
-                raise ValueError(f"fr.combine: {name!r} is in two parts (the last is parts[{i}])")
+                raise ValueError(
+                    f"fr.combine: {name!r} is in both parts[{part_of[name]}] and parts[{i}]; "
+                    "give each name in one part only"
+                )
             out[name] = value
+            part_of[name] = i
     return out

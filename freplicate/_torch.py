@@ -15,26 +15,35 @@ Dynamo's helpers are looked up on first use, while ``torch.compile`` traces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 __all__ = [
+    "COMPILED_CALL",
     "FAST_PATHS",
     "assume_constant_result",
+    "aten_op",
     "chunk_cat",
+    "compiled_module",
     "engine_grad",
     "foreach_add",
     "foreach_add_",
+    "foreach_div_",
     "foreach_mul",
+    "foreach_norm",
+    "foreach_supported",
     "functional_collectives",
     "graph_break",
     "group_store",
+    "groups_by_device_and_dtype",
     "is_compiling",
     "holds_reentrant_checkpoint",
     "is_reentrant_checkpoint",
     "leaves_outside",
+    "optimized_module_class",
     "resolve_group",
     "storage_use_count",
     "transform_level",
@@ -117,34 +126,99 @@ def storage_use_count(t: torch.Tensor) -> int | None:
 _foreach_add = getattr(torch, "_foreach_add", None)
 _foreach_add_ = getattr(torch, "_foreach_add_", None)
 _foreach_mul = getattr(torch, "_foreach_mul", None)
-FAST_PATHS["foreach"] = None not in (_foreach_add, _foreach_add_, _foreach_mul)
+_foreach_div_ = getattr(torch, "_foreach_div_", None)
+FAST_PATHS["foreach"] = None not in (_foreach_add, _foreach_add_, _foreach_mul, _foreach_div_)
 
 
 def foreach_add(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
+    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1
 ) -> list[torch.Tensor]:
-    """``[x + alpha * y for x, y in zip(a, b)]``, in one fused pass where torch has it."""
+    """``[x + alpha * y for x, y in zip(a, b)]``, in one fused pass where torch has it.
+
+    ``alpha=1`` is not passed on: integer tensors refuse a float one.
+    """
+    kw: dict[str, Any] = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add is not None:
-        return list(_foreach_add(list(a), list(b), alpha=alpha))
-    return [torch.add(x, y, alpha=alpha) for x, y in zip(a, b)]
+        return list(_foreach_add(list(a), list(b), **kw))
+    return [torch.add(x, y, **kw) for x, y in zip(a, b)]
 
 
-def foreach_add_(
-    a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1.0
-) -> None:
+def foreach_add_(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor], *, alpha: float = 1) -> None:
     """``x.add_(y, alpha=alpha)`` for each pair (``a`` holds the caller's own tensors)."""
+    kw: dict[str, Any] = {} if alpha == 1 else {"alpha": alpha}
     if _foreach_add_ is not None:
-        _foreach_add_(list(a), list(b), alpha=alpha)
+        _foreach_add_(list(a), list(b), **kw)
         return
     for x, y in zip(a, b):
-        x.add_(y, alpha=alpha)
+        x.add_(y, **kw)
 
 
-def foreach_mul(a: Sequence[torch.Tensor], scalar: float) -> list[torch.Tensor]:
+def foreach_div_(a: Sequence[torch.Tensor], scalar: float) -> None:
+    """``x.div_(scalar)`` for each (``a`` holds the caller's own tensors)."""
+    if _foreach_div_ is not None:
+        _foreach_div_(list(a), scalar)
+        return
+    for x in a:
+        x.div_(scalar)
+
+
+def foreach_mul(a: Sequence[torch.Tensor], scalar: Any) -> list[torch.Tensor]:
     """``[x * scalar for x in a]``, in one fused pass where torch has it."""
     if _foreach_mul is not None:
         return list(_foreach_mul(list(a), scalar))
     return [x * scalar for x in a]
+
+
+# --- clip_grad_norm_'s groups and norms, in torch's own order ---
+try:
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype as _group
+    from torch.utils._foreach_utils import _has_foreach_support as _foreach_ok
+except ImportError:  # pragma: no cover - only on a torch that moved them
+    _group = _foreach_ok = None  # type: ignore[assignment]
+_foreach_norm = getattr(torch, "_foreach_norm", None)
+FAST_PATHS["clip_groups"] = _group is not None and _foreach_ok is not None
+FAST_PATHS["foreach_norm"] = _foreach_norm is not None
+
+
+def groups_by_device_and_dtype(
+    tensors: Sequence[torch.Tensor],
+) -> list[tuple[list[torch.Tensor], list[int]]]:
+    """``tensors`` split by (device, dtype), with their positions, in torch's order of groups.
+
+    ``clip_grad_norm_`` sums the groups' norms in that order (a C++ hash
+    map's). The fallback takes them in order of first appearance: the same
+    norms, and with a single (device, dtype), the same total; with several,
+    its last bit may differ from torch's.
+    """
+    if _group is not None:
+        found = _group([list(tensors)], True).values()
+        return [(list(lists[0]), list(idx)) for lists, idx in found]  # type: ignore[misc, arg-type]
+    by: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[int]]] = {}
+    for k, t in enumerate(tensors):
+        group = by.setdefault((t.device, t.dtype), ([], []))
+        group[0].append(t)
+        group[1].append(k)
+    return list(by.values())
+
+
+def foreach_supported(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether torch's foreach kernels take ``tensors`` (``clip_grad_norm_``'s own test)."""
+    return _foreach_ok is not None and bool(_foreach_ok(list(tensors), tensors[0].device))
+
+
+def foreach_norm(tensors: Sequence[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """The ``p``-norm of each tensor (``torch._foreach_norm``; ``vector_norm`` one by one else)."""
+    if _foreach_norm is not None:
+        return list(_foreach_norm(list(tensors), p))
+    return [torch.linalg.vector_norm(t, p) for t in tensors]
+
+
+def aten_op(name: str, caller: str) -> Any:
+    """``torch.ops.aten.<name>`` (GradScaler's kernels), or an error naming it and ``caller``."""
+    op = getattr(torch.ops.aten, name, None)
+    if op is None:
+        raise RuntimeError(f"{caller}: this torch has no torch.ops.aten.{name}, which GradScaler uses")
+    return op
 
 
 # --- FSDP2's copy-in: tensors cut into row chunks, one per rank, laid out rank-major ---
@@ -187,40 +261,62 @@ def chunk_cat(tensors: Sequence[torch.Tensor], num_chunks: int, out: torch.Tenso
 # --- activation checkpointing: does a graph hold a reentrant checkpoint's node? ---
 try:
     from torch.autograd.function import BackwardCFunction as _PythonNode
+except ImportError:  # pragma: no cover - only on a torch that moved it
+    _PythonNode = None  # type: ignore[assignment, misc]
+try:
     from torch.utils.checkpoint import CheckpointFunction as _CheckpointFunction
-except ImportError:  # pragma: no cover - only on a torch that moved them
-    _PythonNode = _CheckpointFunction = None  # type: ignore[assignment, misc]
-FAST_PATHS["reentrant_checkpoint"] = _CheckpointFunction is not None
+except ImportError:  # pragma: no cover - only on a torch that moved it
+    _CheckpointFunction = None  # type: ignore[assignment, misc]
+FAST_PATHS["reentrant_checkpoint"] = _CheckpointFunction is not None and _PythonNode is not None
+
+
+def _python_node(node: Any) -> bool:
+    """Whether ``node`` is a custom ``autograd.Function``'s (a Python-defined node)."""
+    if _PythonNode is not None:
+        return isinstance(node, _PythonNode)
+    return getattr(node, "_forward_cls", None) is not None  # pragma: no cover
 
 
 def is_reentrant_checkpoint(node: Any) -> bool:
-    """Whether ``node`` is the backward node of a ``use_reentrant=True`` checkpoint."""
-    if _PythonNode is None or not isinstance(node, _PythonNode):
+    """Whether ``node`` is the backward node of a ``use_reentrant=True`` checkpoint.
+
+    Raises ``RuntimeError`` at the point of use where this torch has no
+    ``CheckpointFunction`` to compare with: a reentrant checkpoint that fr
+    could not see would leave its parameters without their gradients.
+    """
+    if not _python_node(node):
         return False
     cls = getattr(node, "_forward_cls", None)
+    if _CheckpointFunction is None:
+        raise RuntimeError(
+            "freplicate cannot tell whether the custom autograd Function in fn's graph "
+            f"({getattr(cls, '__name__', node)}) is a reentrant activation checkpoint: this "
+            "torch has no torch.utils.checkpoint.CheckpointFunction; use "
+            "torch.func.grad_and_value, or a torch freplicate supports"
+        )
     return isinstance(cls, type) and issubclass(cls, _CheckpointFunction)
 
 
 def holds_reentrant_checkpoint(value: torch.Tensor) -> bool:
     """Whether ``value``'s autograd graph holds a reentrant checkpoint's node, by type.
 
-    One walk of the graph (about 0.15 us a node). Without torch's classes the
-    answer is ``False``: fr then takes ``.grad()``, and autograd raises its own
-    error where the checkpoint lies below a differentiated leaf ("use_reentrant
-    =True ... incompatible with .grad()").
+    One walk of the graph (about 0.13 us a node). Every call decides on its
+    own graph: a function whose forward checkpoints differently from call
+    to call is seen as it is each time.
     """
     root = value.grad_fn
-    if root is None or _PythonNode is None:
+    if root is None:
         return False
-    seen = {root}
-    stack = [root]
-    pop, push, add = stack.pop, stack.append, seen.add
-    while stack:
-        node = pop()
-        if isinstance(node, _PythonNode) and is_reentrant_checkpoint(node):
+    seen: set[Any] = {None, root}  # None: an input that needs no gradient
+    todo: list[Any] = [root]
+    add, push = seen.add, todo.append
+    kind = _PythonNode
+    for node in todo:  # (it grows as it goes: each node once, without pops: see docs/benchmarks.md)
+        python = isinstance(node, kind) if kind is not None else _python_node(node)
+        if python and is_reentrant_checkpoint(node):
             return True
         for nxt, _ in node.next_functions:
-            if nxt is not None and nxt not in seen:
+            if nxt not in seen:
                 add(nxt)
                 push(nxt)
     return False
@@ -275,8 +371,9 @@ def resolve_group(name: str) -> Any:
     """The process group named ``name`` (the traced layout check runs on names, not objects)."""
     import torch.distributed as dist
 
-    if name == dist.group.WORLD.group_name:  # type: ignore[union-attr]
-        return dist.group.WORLD
+    world = dist.group.WORLD
+    if world is not None and name == world.group_name:
+        return world
     from torch.distributed import distributed_c10d
 
     resolve = getattr(distributed_c10d, "_resolve_process_group", None)
@@ -322,3 +419,45 @@ def graph_break(message: str) -> None:
 def is_compiling() -> bool:
     """True while Dynamo traces: public functions then take their traceable twins."""
     return torch.compiler.is_compiling()
+
+
+# ======================================================================================
+# fr.apply's view of compiled modules (issue 16 item 5, issue 19). Kept at the end of the
+# file, apart from the engine's entries above.
+# ======================================================================================
+
+# --- torch.compile(module): an OptimizedModule around the module, whose compiled code is a
+# closure over that very module (a copy of the wrapper would run on the original's tensors)
+
+
+def optimized_module_class() -> type[torch.nn.Module] | None:
+    """``torch.compile(module)``'s wrapper class, or ``None`` where this process has none."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return getattr(eval_frame, "OptimizedModule", None)
+
+
+def compiled_module(module: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[Any], Any]] | None:
+    """For ``torch.compile(m)``: ``(m, wrap)``, ``wrap(copy)`` compiling ``copy`` as ``m`` is; else ``None``.
+
+    ``torch._dynamo`` is never imported here: a process that has not loaded
+    it has compiled nothing. Where torch no longer has ``OptimizedModule``
+    under its known name, this answers ``None``, and ``fr.apply`` refuses
+    the wrapper with a clear error (its instance-level ``forward`` is the
+    sign) rather than running it on the module's own tensors.
+    """
+    optimized = optimized_module_class()
+    if optimized is None or not isinstance(module, optimized):
+        return None
+    inner, ctx = module.__dict__["_modules"].get("_orig_mod"), module.__dict__.get("dynamo_ctx")
+    if (
+        not isinstance(inner, torch.nn.Module) or ctx is None
+    ):  # pragma: no cover - a changed wrapper
+        return None
+    return inner, lambda copy: optimized(copy, ctx)
+
+
+# --- module.compile(): ``torch.compile(self._call_impl)`` stored in this instance attribute, a
+# wrapper of the original's bound method (a copy must not call it). Under another name (a torch
+# that renamed it), fr.apply refuses the module with a clear error instead of dropping it: every
+# instance attribute that wraps a method bound to its own module is refused unless it is this one.
+COMPILED_CALL = "_compiled_call_impl"

@@ -126,12 +126,30 @@ def _rank_main(rank: int, store: str, pg_timeout: float, tasks: Any, replies: An
 # --- the checks each rank runs; an AssertionError reports a difference
 
 
+def in_mode(fn: Callable[..., Any], mode: str, *, fullgraph: bool = True) -> Callable[..., Any]:
+    """``fn`` itself (``"eager"``), or compiled whole (``"compiled"``: one graph, no break).
+
+    Dynamo's caches are emptied first: a new example must trace anew, not
+    fall back to eager code once the recompile limit is reached. An error
+    raised while tracing comes out as itself only without ``fullgraph``
+    (with it, Dynamo reports it as its own error, the message inside).
+    """
+    if mode == "eager":
+        return fn
+    torch._dynamo.reset()
+    return torch.compile(fn, backend="eager", fullgraph=fullgraph)
+
+
 def _loss(out: Any) -> torch.Tensor:
+    """A scalar that weighs every element of every floating-point leaf differently.
+
+    Traceable (no generator of its own): the compiled properties trace it.
+    """
     total = torch.zeros((), dtype=torch.float64)
     for i, leaf in enumerate(optree.tree_leaves(out)):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            g = torch.Generator().manual_seed(i)
-            total = total + (leaf * torch.randn(leaf.shape, generator=g).to(leaf.dtype)).sum()
+            weights = torch.sin(torch.arange(leaf.numel(), dtype=torch.float64) * 1.7 + i)
+            total = total + (leaf * weights.reshape(leaf.shape).to(leaf.dtype)).sum()
     return total
 
 
@@ -199,18 +217,20 @@ def check_grad_and_value(rank: int, p: dict[str, Any]) -> None:
         return _loss(out), new.buffers
 
     unchanged = Unchanged(s, inputs)
+    mode = p.get("mode", "eager")
     if p["has_aux"]:
-        grads, (value, aux) = fr.distributed.grad_and_value(
+        step = fr.distributed.grad_and_value(
             loss_and_buffers, bucket_cap_mb=cap, compress=compress, has_aux=True
-        )(s.params)
+        )
+        grads, (value, aux) = in_mode(step, mode)(s.params)
         # aux is this rank's own: the buffers after its forward, as DDP's module holds them
         assert_trees_close(aux, dict(reference.named_buffers()))
     else:
-        grads, value = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap, compress=compress)(
-            s.params
-        )
+        step = fr.distributed.grad_and_value(loss_fn, bucket_cap_mb=cap, compress=compress)
+        grads, value = in_mode(step, mode)(s.params)
     local, _ = fr.grad_and_value(loss_fn)(s.params)
-    reduced = fr.distributed.all_reduce(local, bucket_cap_mb=cap, compress=compress)
+    reduce = in_mode(lambda g: fr.distributed.all_reduce(g, bucket_cap_mb=cap, compress=compress), mode)
+    reduced = reduce(local)
     unchanged.check("fr.distributed.grad_and_value / all_reduce")
     torch.testing.assert_close(value, ddp_loss.detach())
     assert_trees_close({k: grads[k] for k in want}, want, rtol=1e-5, atol=1e-6)
@@ -242,9 +262,10 @@ def check_training_module(rank: int, p: dict[str, Any]) -> None:
         return _loss(out)
 
     unchanged = Unchanged(s, inputs)
-    grads, value = fr.distributed.grad_and_value(loss_fn)(train)
+    mode = p.get("mode", "eager")
+    grads, value = in_mode(fr.distributed.grad_and_value(loss_fn), mode)(train)
     local, _ = fr.grad_and_value(loss_fn)(train)
-    reduced = fr.distributed.all_reduce(local)
+    reduced = in_mode(fr.distributed.all_reduce, mode)(local)
     unchanged.check("fr.distributed.grad_and_value / all_reduce")
     torch.testing.assert_close(value, ddp_loss.detach())
     assert set(grads) == set(want), "gradients for other parameters than DDP reduces"
@@ -273,9 +294,13 @@ def check_all_reduce(rank: int, p: dict[str, Any]) -> None:
     everyone = [refill(p["tree"], p["seed"] + r) for r in range(WORLD)]
     mine = everyone[rank]
     unchanged = Unchanged(mine)
-    out = fr.distributed.all_reduce(
-        mine, op=p["op"], bucket_cap_mb=p["bucket_cap_mb"], compress=p["compress"]
+    reduce = in_mode(
+        lambda t: fr.distributed.all_reduce(
+            t, op=p["op"], bucket_cap_mb=p["bucket_cap_mb"], compress=p["compress"]
+        ),
+        p.get("mode", "eager"),
     )
+    out = reduce(mine)
     unchanged.check("fr.distributed.all_reduce")
     inputs = {id(t) for t in optree.tree_leaves(mine) if isinstance(t, torch.Tensor)}
     columns = zip(*(optree.tree_leaves(t) for t in everyone))
@@ -294,7 +319,7 @@ def check_broadcast(rank: int, p: dict[str, Any]) -> None:
     """fr.distributed.broadcast gives every rank rank ``src``'s values."""
     mine = refill(p["tree"], p["seed"] + rank)
     unchanged = Unchanged(mine)
-    out = fr.distributed.broadcast(mine, src=p["src"])
+    out = in_mode(lambda t: fr.distributed.broadcast(t, src=p["src"]), p.get("mode", "eager"))(mine)
     unchanged.check("fr.distributed.broadcast")
     assert_trees_close(out, refill(p["tree"], p["seed"] + p["src"]), rtol=0, atol=0)
 
@@ -302,10 +327,20 @@ def check_broadcast(rank: int, p: dict[str, Any]) -> None:
 def check_mismatch(rank: int, p: dict[str, Any]) -> str:
     """Trees that differ across ranks raise ValueError on every rank (never hang)."""
     tree = p["trees"][rank]
+    mode = p.get("mode", "eager")
+
+    def reduce(t: Any) -> Any:
+        # Compiled, each call traces anew, on a group of its own (a store of its own): a layout
+        # agreed before passes a trace without waiting for the others, and a rank running a
+        # compiled graph checks nothing (docs/compile.md says what a mismatch then costs).
+        group = dist.new_group([0, 1]) if mode == "compiled" else None
+        call = in_mode(lambda t: fr.distributed.all_reduce(t, op="sum", group=group), mode, fullgraph=False)
+        return call(t)
+
     if p["reduced_before"]:
-        fr.distributed.all_reduce(p["trees"][0], op="sum")
+        reduce(p["trees"][0])
     try:
-        fr.distributed.all_reduce(tree, op="sum")
+        reduce(tree)
     except ValueError as err:
         return str(err)
     raise AssertionError(f"rank {rank}: fr.distributed.all_reduce reduced mismatched trees")

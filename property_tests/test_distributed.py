@@ -46,16 +46,19 @@ def _all_ok(replies: list[tuple[str, Any]]) -> list[Any]:
 DDP_KINDS = ["mlp", "conv", "tied", "buffers", "nested", "unused", "positional", "keywords"]
 CAPS = st.sampled_from([25.0, 1e-4])  # one bucket, or one leaf per bucket
 COMPRESS = st.sampled_from([None, "bf16", "fp16"])
+# every property of fr.distributed eagerly and compiled whole (backend="eager": CI time)
+MODES = st.sampled_from(["eager", "compiled"])
 
 
 @examples(0.3)
-@given(modules(kinds=DDP_KINDS), CAPS, COMPRESS, st.booleans(), st.data())
+@given(modules(kinds=DDP_KINDS), CAPS, COMPRESS, st.booleans(), MODES, st.data())
 def test_grad_and_value_equals_ddp(
     ranks: RankPool,
     pair: tuple[torch.nn.Module, Any],
     cap: float,
     compress: str | None,
     has_aux: bool,
+    mode: str,
     data: st.DataObject,
 ):
     module, inputs = pair
@@ -69,6 +72,7 @@ def test_grad_and_value_equals_ddp(
                 "bucket_cap_mb": cap,
                 "compress": compress,
                 "has_aux": has_aux,
+                "mode": mode,
             },
         )
     )
@@ -78,27 +82,28 @@ summable = trees(dtypes=(*FLOAT_DTYPES, torch.int64, torch.int32), max_leaves=5)
 
 
 @examples(0.3)
-@given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, COMPRESS)
+@given(st.data(), st.sampled_from(["sum", "mean"]), CAPS, COMPRESS, MODES)
 def test_all_reduce_is_the_sum_or_mean_over_ranks(
-    ranks: RankPool, data: st.DataObject, op: str, cap: float, compress: str | None
+    ranks: RankPool, data: st.DataObject, op: str, cap: float, compress: str | None, mode: str
 ):
     tree = data.draw(trees(dtypes=FLOAT_DTYPES, max_leaves=5) if op == "mean" else summable)
     payload = {"tree": tree, "op": op, "bucket_cap_mb": cap, "compress": compress, "seed": 7}
+    payload["mode"] = mode
     _all_ok(ranks.run("all_reduce", payload))
 
 
 @examples(0.2)
-@given(trees(max_leaves=5), st.integers(0, WORLD - 1), st.integers(0, 2**16))
+@given(trees(max_leaves=5), st.integers(0, WORLD - 1), st.integers(0, 2**16), MODES)
 def test_broadcast_gives_every_rank_the_source_values(
-    ranks: RankPool, tree: Any, src: int, seed: int
+    ranks: RankPool, tree: Any, src: int, seed: int, mode: str
 ):
-    _all_ok(ranks.run("broadcast", {"tree": tree, "src": src, "seed": seed}))
+    _all_ok(ranks.run("broadcast", {"tree": tree, "src": src, "seed": seed, "mode": mode}))
 
 
 @examples(0.2)
-@given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.booleans(), st.data())
+@given(trees(dtypes=(torch.float32, torch.int64), max_leaves=4), st.booleans(), MODES, st.data())
 def test_trees_that_differ_across_ranks_raise_on_every_rank(
-    ranks: RankPool, tree: Any, reduced_before: bool, data: st.DataObject
+    ranks: RankPool, tree: Any, reduced_before: bool, mode: str, data: st.DataObject
 ):
     # reduced_before: both ranks first reduce rank 0's tree, so that rank 0 meets a layout it
     # has already seen (tests/test_regressions.py has the bug this once found)
@@ -110,18 +115,20 @@ def test_trees_that_differ_across_ranks_raise_on_every_rank(
     bent = list(leaves)
     bent[i] = torch.zeros(leaves[i].numel() + 1, dtype=leaves[i].dtype)  # another shape
     pair = [tree, optree.tree_unflatten(spec, bent)]
-    messages = _all_ok(ranks.run("mismatch", {"trees": pair, "reduced_before": reduced_before}))
+    payload = {"trees": pair, "reduced_before": reduced_before, "mode": mode}
+    messages = _all_ok(ranks.run("mismatch", payload))
     for message in messages:
         assert message.startswith("fr.distributed.all_reduce")
 
 
 # the modules real training brings; a compiled one cannot travel to the ranks (no pickling)
 def _training_module(
-    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject, mode: str = "eager"
 ) -> None:
     module, inputs = pair
     per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
-    _all_ok(ranks.run("training_module", {"module": module, "inputs": per_rank}))
+    payload = {"module": module, "inputs": per_rank, "mode": mode}
+    _all_ok(ranks.run("training_module", payload))
 
 
 @examples(0.2)
@@ -141,11 +148,11 @@ def test_grad_and_value_equals_ddp_on_sparse_embeddings(
 
 
 @examples(0.2)
-@given(modules(kinds=["mlp", "conv", "tied", "nested", "unused"], frozen=True), st.data())
+@given(modules(kinds=["mlp", "conv", "tied", "nested", "unused"], frozen=True), MODES, st.data())
 def test_grad_and_value_equals_ddp_on_frozen_sub_trees(
-    ranks: RankPool, pair: tuple[torch.nn.Module, Any], data: st.DataObject
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], mode: str, data: st.DataObject
 ):
-    _training_module(ranks, pair, data)
+    _training_module(ranks, pair, data, mode)
 
 
 @examples(0.2)

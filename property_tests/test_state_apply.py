@@ -13,6 +13,10 @@ from hypothesis import strategies as st
 
 import freplicate as fr
 from freplicate.testing import assert_trees_close, modules
+from freplicate.testing._strategies import CLASSIC_KINDS
+
+# the default kinds and a forward that reassigns its buffers
+KINDS = [*CLASSIC_KINDS, "reassigned"]
 
 
 def _split(x: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -33,7 +37,7 @@ def test_state_is_the_modules_tensors_without_copies(pair: tuple[torch.nn.Module
         assert torch.equal(t, own)
 
 
-@given(modules(dtypes=(torch.float32, torch.float64)), st.data())
+@given(modules(kinds=KINDS, dtypes=(torch.float32, torch.float64)), st.data())
 def test_apply_equals_the_stateful_forward(pair: tuple[torch.nn.Module, Any], data: st.DataObject):
     module, inputs = pair
     args, kwargs = _split(data.draw(inputs, label="inputs"))
@@ -49,7 +53,11 @@ def test_apply_equals_the_stateful_forward(pair: tuple[torch.nn.Module, Any], da
     assert_trees_close(new.buffers, dict(reference.named_buffers()))
 
 
-@given(modules(kinds=["mlp", "conv", "buffers", "tied", "nested"]), st.integers(2, 4), st.data())
+@given(
+    modules(kinds=["mlp", "conv", "buffers", "tied", "nested", "shared", "reassigned"]),
+    st.integers(2, 4),
+    st.data(),
+)
 def test_concurrent_applies_each_see_their_own_state(
     pair: tuple[torch.nn.Module, Any], threads: int, data: st.DataObject
 ):

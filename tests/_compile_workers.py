@@ -196,3 +196,20 @@ def same_layout_after_mismatch(rank: int) -> Any:
     torch._dynamo.reset()
     reduce = torch.compile(fr.distributed.all_reduce, backend="eager")
     return reduce({"v": torch.full((3,), float(rank))}, op="sum")["v"]
+
+
+@scenario
+def mismatch_without_the_store(rank: int) -> Any:
+    """Where torch cannot hand out the group's store, the traced check takes one all-gather."""
+    from freplicate._distributed import _store
+
+    torch._dynamo.reset()
+    saved = _store.group_store
+    _store.group_store = lambda group: None  # type: ignore[assignment]
+    try:
+        torch.compile(fr.distributed.all_reduce, backend="eager")({"n": torch.ones(5 + rank)})
+    except ValueError as err:
+        return str(err)
+    finally:
+        _store.group_store = saved  # type: ignore[assignment]
+    return "no error"

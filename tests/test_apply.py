@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import io
+import re
 import warnings
 import weakref
 from collections.abc import Callable
@@ -20,6 +21,7 @@ import pytest
 import torch
 import torch.utils.checkpoint as cp
 from torch import nn
+from torch._dynamo.testing import CompileCounter
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import freplicate as fr
@@ -198,6 +200,81 @@ def test_compiled_module_uses_the_state() -> None:
     assert all(p.grad is None for p in plain.parameters())
 
 
+def _compiled(how: str, backend: Any) -> nn.Module:
+    """A model compiled as users compile: whole or a submodule, wrapped or in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    if how == "torch.compile(model)":
+        return torch.compile(model, backend=backend)  # type: ignore[return-value]
+    if how == "torch.compile(model[2])":
+        model[2] = torch.compile(model[2], backend=backend)  # type: ignore[assignment]
+    elif how == "model.compile()":
+        model.compile(backend=backend)
+    else:
+        model[2].compile(backend=backend)
+    return model
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["torch.compile(model)", "torch.compile(model[2])", "model.compile()", "model[2].compile()"],
+)
+def test_compiled_modules_and_submodules_compute_with_the_state(how: str) -> None:
+    # a copy of a compiled (sub)module ran the compiled code of the original, on its tensors
+    torch._dynamo.reset()
+    backend = CompileCounter()  # counts the graphs it compiles, runs them as captured
+    model = _compiled(how, backend)
+    x = torch.randn(5, 3)
+    for by in (0.5, -0.25, 1.0):  # new parameter tensors each call: compiled once for all
+        params = {k: v + by for k, v in fr.state(model).params.items()}
+        out, _ = fr.apply(model, fr.State(params, {}), x)
+        torch.testing.assert_close(out, torch.func.functional_call(model, params, (x,)))
+        grads, _ = fr.grad_and_value(lambda p: fr.apply(model, fr.State(p, {}), x)[0].sum())(params)
+        want = torch.func.grad(lambda p: torch.func.functional_call(model, p, (x,)).sum())(params)
+        torch.testing.assert_close(grads, want)
+    if how.startswith("torch.compile"):  # fr.apply runs the compiled code, not its original
+        assert backend.frame_count == 2, backend.frame_count  # one without grad, one with
+    assert all(p.grad is None for p in model.parameters())
+
+
+class Alternative(nn.Linear):
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+def test_a_forward_set_on_the_module_object() -> None:
+    lin = Alternative(3, 2)
+    lin.forward = lin.doubled  # type: ignore[method-assign]  # a method of the module itself
+    x, params = torch.randn(4, 3), {k: v + 1 for k, v in fr.state(lin).params.items()}
+    out, _ = fr.apply(lin, fr.State(params, {}), x)
+    torch.testing.assert_close(out, torch.func.functional_call(lin, params, (x,)))
+    lin.forward = lambda x: nn.functional.linear(x, lin.weight, lin.bias)  # type: ignore[method-assign]
+    with pytest.raises(
+        TypeError,
+        match=r"^fr\.apply: module\.forward is set on the module object \(function\) and may compute "
+        r"with the module's own tensors, which fr\.apply cannot rebind; define it as a method",
+    ):
+        fr.apply(lin, fr.State(params, {}), x)
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "torch.compile(model[2])"])
+def test_without_the_compiled_module_lookup_a_compiled_module_is_refused_not_misrun(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a torch that moved OptimizedModule: its copy would run the original's compiled code
+    model = _compiled(how, "eager")
+    assert _torch.optimized_module_class() is type(
+        model if how == "torch.compile(model)" else model[2]
+    )
+    monkeypatch.setattr(_torch, "optimized_module_class", lambda: None)
+    fr.clear_caches()
+    where = "module" if how == "torch.compile(model)" else "module.2"
+    with pytest.raises(
+        TypeError, match=rf"^fr\.apply: {re.escape(where)}\.forward is set on the module object"
+    ):
+        fr.apply(model, fr.state(model), torch.randn(2, 3))
+
+
 @pytest.mark.parametrize("change", ["none", "del"])
 def test_bias_removed_after_a_warm_call(change: str) -> None:
     lin = nn.Linear(3, 2)
@@ -259,10 +336,10 @@ def test_modules_built_between_calls_change_nothing() -> None:
         lambda p: nn.MSELoss()(torch.func.functional_call(model, p, (x,)), torch.zeros(2, 3))
     )(params)
     fr.grad_and_value(loss)(params)
-    binder = _apply._BINDERS[model]
+    plan = _apply._PLANS[model]
     got = fr.grad_and_value(loss)(params)
     torch.testing.assert_close(got, expected)
-    assert _apply._BINDERS[model] is binder  # the modules built in between kept the cache
+    assert _apply._PLANS[model] is plan  # the modules built in between kept the cache
 
 
 class SelfHooked(nn.Linear):
@@ -291,25 +368,39 @@ def test_clear_caches_drops_the_structure_cache() -> None:
 
     model = nn.Linear(2, 2)
     fr.apply(model, fr.state(model), torch.ones(1, 2))
-    assert model in _apply._BINDERS
+    assert model in _apply._PLANS
     fr.clear_caches()
-    assert model not in _apply._BINDERS
+    assert model not in _apply._PLANS
     out, _ = fr.apply(model, fr.state(model), torch.ones(1, 2))  # rebuilt
     torch.testing.assert_close(out, model(torch.ones(1, 2)))
 
 
-MUST_BE_A_DICT = r"must be a dict of name -> tensor, got {}; make the state with fr\.state\(module\)$"
+MUST_BE_A_DICT = (
+    r"must be a dict of name -> tensor, got {}; make the state with fr\.state\(module\)$"
+)
 
 
 @pytest.mark.parametrize(
     ("bad", "message"),
     [
         (fr.State(None, None), r"^fr\.apply: state\.params " + MUST_BE_A_DICT.format("NoneType")),  # type: ignore[arg-type]
-        (fr.State([torch.ones(1)], {}), r"^fr\.apply: state\.params " + MUST_BE_A_DICT.format("list")),  # type: ignore[arg-type]
+        (
+            fr.State([torch.ones(1)], {}),
+            r"^fr\.apply: state\.params " + MUST_BE_A_DICT.format("list"),
+        ),  # type: ignore[arg-type]
         (fr.State({}, None), r"^fr\.apply: state\.buffers " + MUST_BE_A_DICT.format("NoneType")),  # type: ignore[arg-type]
-        (fr.State({}, {"running_mean": 3}), r"^fr\.apply: state\.buffers\['running_mean'\] must be a tensor, got an int \(3\)$"),  # type: ignore[dict-item]
-        (fr.State({"weight": 2.0}, {}), r"^fr\.apply: state\.params\['weight'\] must be a tensor, got a float \(2\.0\)$"),  # type: ignore[dict-item]
-        ((torch.ones(1),), r"^fr\.apply: state must be an fr\.State\(params, buffers\), got tuple; make one with fr\.state\(module\)$"),
+        (
+            fr.State({}, {"running_mean": 3}),
+            r"^fr\.apply: state\.buffers\['running_mean'\] must be a tensor, got an int \(3\)$",
+        ),  # type: ignore[dict-item]
+        (
+            fr.State({"weight": 2.0}, {}),
+            r"^fr\.apply: state\.params\['weight'\] must be a tensor, got a float \(2\.0\)$",
+        ),  # type: ignore[dict-item]
+        (
+            (torch.ones(1),),
+            r"^fr\.apply: state must be an fr\.State\(params, buffers\), got tuple; make one with fr\.state\(module\)$",
+        ),
     ],
 )
 def test_malformed_states_are_named(bad: Any, message: str) -> None:
@@ -349,12 +440,17 @@ def test_fine_tuning_with_partition_leaves_frozen_parameters_alone() -> None:
 
 def test_partition_and_combine_errors() -> None:
     model = nn.Linear(2, 2)
-    with pytest.raises(KeyError, match=r"fr\.partition: params has 'nope', which is not a parameter"):
+    with pytest.raises(
+        KeyError, match=r"fr\.partition: params has 'nope', which is not a parameter"
+    ):
         fr.partition({"nope": torch.ones(1)}, model)
     with pytest.raises(TypeError, match=r"fr\.partition: module must be an nn\.Module"):
         fr.partition({}, None)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"fr\.combine: 'a' is in two parts"):
-        fr.combine({"a": torch.ones(1)}, {"a": torch.ones(1)})
+    with pytest.raises(
+        ValueError,
+        match=r"^fr\.combine: 'a' is in both parts\[0\] and parts\[2\]; give each name in one part only$",
+    ):
+        fr.combine({"a": torch.ones(1)}, {"b": torch.ones(1)}, {"a": torch.ones(1)})
 
 
 def test_state_saves_and_loads_with_weights_only() -> None:
@@ -365,7 +461,10 @@ def test_state_saves_and_loads_with_weights_only() -> None:
     buf.seek(0)
     loaded = torch.load(buf)  # weights_only=True, the default
     assert type(loaded) is fr.State
-    for a, b in zip((*loaded.params.values(), *loaded.buffers.values()), (*s.params.values(), *s.buffers.values())):
+    for a, b in zip(
+        (*loaded.params.values(), *loaded.buffers.values()),
+        (*s.params.values(), *s.buffers.values()),
+    ):
         assert torch.equal(a, b)
 
 
@@ -377,7 +476,9 @@ def test_grad_and_value_argument_errors() -> None:
     with pytest.raises(RuntimeError, match=r"argnums=\(0, -2\) names one argument twice"):
         fr.grad_and_value(lambda a, b: a.sum(), argnums=(0, -2))(torch.ones(1), torch.ones(1))
     with pytest.raises(RuntimeError, match=r"args\[0\]\['idx'\] has dtype torch\.int64"):
-        fr.grad_and_value(lambda t: t["w"].sum())({"w": torch.ones(2), "idx": torch.ones(2, dtype=torch.long)})
+        fr.grad_and_value(lambda t: t["w"].sum())(
+            {"w": torch.ones(2), "idx": torch.ones(2, dtype=torch.long)}
+        )
 
 
 def test_parameters_carrying_a_graph_warn_and_stay_differentiable() -> None:
@@ -417,8 +518,13 @@ def test_reentrant_checkpoint_below_a_closed_over_input_is_refused_not_zero() ->
 
     def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
         h = cp.checkpoint(model.block, x, use_reentrant=True)  # below x only
-        return fr.apply(model.head, fr.State({k[5:]: v for k, v in p.items() if k.startswith("head.")}, {}), h)[0].sum()
+        return fr.apply(
+            model.head, fr.State({k[5:]: v for k, v in p.items() if k.startswith("head.")}, {}), h
+        )[0].sum()
 
-    with pytest.raises(RuntimeError, match=r"use_reentrant=True, which autograd differentiates only with a full \.backward\(\)"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"use_reentrant=True, which autograd differentiates only with a full \.backward\(\)",
+    ):
         fr.grad_and_value(loss)(shifted(model))
     assert x.grad is None

@@ -62,18 +62,20 @@ def test_every_benchmark_runs_and_reports_each_target(quick_bench: tuple[str, Pa
     out, _ = quick_bench
     tables = _tables(out)
     assert [t for t in out.splitlines() if t.startswith(("core:", "parallel:", "distributed:"))]
-    assert len(tables) == 3, out
+    assert len(tables) == 4, out  # core, parallel, distributed, import
     measures = {row.split("  ")[0] for table in tables for row in table[2:]}
     for expected in (
         "fr.apply / module(x)",
         "fr.apply / module(x), a module built before each",
+        "fr.apply / module(x), recording the graph",
         "fr.grad_and_value / torch.func.grad_and_value",
         "fr.data_parallel_grad [cpu, cpu] / torch.func.grad_and_value",
         "SGD step: fr.distributed.grad_and_value / DDP",
         "fr.distributed.all_reduce (400 leaves) / one flat dist.all_reduce",
+        "import torch, torch.distributed, freplicate / import torch, torch.distributed",
     ):
         assert expected in measures, measures
-    assert re.search(r"^targets: \d+ met, \d+ missed \(of 15\)$", out, re.M), out
+    assert re.search(r"^targets: \d+ met, \d+ missed \(of 21\)$", out, re.M), out
 
 
 def test_the_tables_are_aligned_with_times_ratios_and_targets(
@@ -172,7 +174,7 @@ def test_an_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[
     assert captured.out == ""
     assert captured.err.splitlines() == [
         "freplicate bench: error: unknown benchmark 'nonesuch'; "
-        "choose from core, parallel, distributed, compile, shard"
+        "choose from core, parallel, distributed, import, compile, example, shard"
     ]
 
 

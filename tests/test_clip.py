@@ -233,4 +233,6 @@ def test_compiled_is_one_graph_equal_to_eager(norm_type: float):
 def test_torchs_grouping_is_found_on_this_torch():
     # without it the groups come in order of first appearance: the last bit of a mixed-dtype
     # total may differ from torch's (test_mixed_dtypes_... would say so too)
-    assert _clip._group is not None and _clip._foreach_ok is not None
+    from freplicate import _torch
+
+    assert _torch.FAST_PATHS["clip_groups"] and _torch.FAST_PATHS["foreach_norm"]

@@ -178,6 +178,12 @@ def test_mismatch_raises_on_every_rank_when_traced(job) -> None:
         torch.testing.assert_close(v, torch.ones(3))
 
 
+def test_without_the_group_store_the_traced_check_takes_a_collective(job) -> None:
+    for message in ok(job, "mismatch_without_the_store"):
+        assert re.search(r"the tensor at \['n'\] differs across ranks: shape \(\d,\)", message), message
+        assert "checked when torch.compile traced this call" in message
+
+
 def test_a_compiled_data_parallel_grad_step_compiles_once() -> None:
     # id() on an input tensor (tie detection in replicate) made Dynamo guard on every
     # parameter's identity: each step's new parameters recompiled the step

@@ -370,7 +370,9 @@ def test_sparse_and_integer_leaves_of_one_shape_behave_as_unstacked() -> None:
     for k in ("a", "b"):
         assert torch.equal(got[0][k].to_dense(), expected[0][k].to_dense())
     ints = {"i": torch.ones(2, dtype=torch.long), "j": torch.ones(2, dtype=torch.long)}
-    with pytest.raises(RuntimeError, match=r"args\[0\]\[.i.\] has dtype torch.int64; only floating-point"):
+    with pytest.raises(
+        RuntimeError, match=r"args\[0\]\[.i.\] has dtype torch.int64; only floating-point"
+    ):
         fr.grad_and_value(lambda t: t["i"].sum())(ints)
 
 
@@ -469,3 +471,90 @@ def test_a_sparse_gradient_among_stacked_leaves_equals_torch_func() -> None:
         assert grads["emb.weight"].is_sparse
         for k in expected:
             torch.testing.assert_close(grads[k].to_dense(), expected[k].to_dense(), msg=k)
+
+
+# --- decided per call, by types (issue 16) ----------------------------------------------
+
+
+def test_a_bool_leaf_beside_one_that_requires_grad_is_named() -> None:
+    params = {"w": torch.ones(2, requires_grad=True), "mask": torch.tensor([True, False])}
+    with pytest.raises(RuntimeError, match=r"^fr\.grad_and_value: args\[0\]\['mask'\] has dtype torch\.bool"):
+        fr.grad_and_value(lambda p: (p["w"] * p["mask"]).sum())(params)
+    with pytest.raises(RuntimeError, match=r"^fr\.grad_and_value: args\[0\]\['mask'\] has dtype torch\.bool"):
+        fr.grad_and_value(lambda p: (p["w"] * p["mask"]).sum())({**params, "w": torch.ones(2)})
+
+
+class _Switching(nn.Module):
+    """A first layer, a block checkpointed as ``mode`` says (shared with a plain layer), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1)
+        self.unused = nn.Linear(2, 2)
+        self.mode = "plain"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if self.mode == "plain":
+            h = self.block(h)
+        else:
+            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=self.mode == "reentrant")
+        return self.head(h + self.block(h))  # the block's weights also outside the checkpoint
+
+
+def _stateful(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor) -> dict[str, torch.Tensor]:
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for k, p in twin.named_parameters():
+            p.copy_(params[k])
+    twin(x.detach().requires_grad_(x.requires_grad)).square().sum().backward()
+    return {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in twin.named_parameters()}
+
+
+@pytest.mark.parametrize("input_requires_grad", [False, True])
+def test_checkpointing_is_decided_per_call_not_per_function(input_requires_grad: bool) -> None:
+    # One function, its module switching modes from call to call: each call is right. (The
+    # answer was cached per code object: after a reentrant call, a non-reentrant one was refused.)
+    torch.manual_seed(0)
+    model = _Switching()
+    params = {k: v + 0.1 for k, v in fr.state(model).params.items()}
+    x = torch.randn(5, 4)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fr.apply(model, fr.State(p, {}), x)[0].square().sum()
+
+    g = fr.grad_and_value(f)
+    for mode in ["reentrant", "plain", "non_reentrant", "reentrant", "non_reentrant", "plain"]:
+        model.mode = mode
+        xi = x.clone().requires_grad_() if input_requires_grad else x
+        grads, _ = g(params, xi)
+        want = _stateful(model, params, xi)
+        for k in want:
+            torch.testing.assert_close(grads[k], want[k], msg=f"{mode}: {k}")
+        if input_requires_grad:
+            assert xi.grad is None  # nothing of the caller's written
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_reentrant_checkpoint_below_an_input_that_requires_grad_gives_the_parameters_gradients() -> None:
+    # The usual way to use a reentrant checkpoint on a first block: an input that requires grad.
+    # torch.func refuses it; DDP's backward gives the parameters' gradients; so does fr.
+    torch.manual_seed(0)
+    block, head = nn.Linear(4, 4), nn.Linear(4, 1)
+    model = nn.ModuleDict({"block": block, "head": head})
+    params = fr.state(model).params
+    x = torch.randn(3, 4, requires_grad=True)
+
+    def f(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        inner = fr.State({k[6:]: v for k, v in p.items() if k.startswith("block.")}, {})
+        h = torch.utils.checkpoint.checkpoint(
+            lambda t: fr.apply(block, inner, t)[0], x, use_reentrant=True
+        )
+        return fr.apply(head, fr.State({k[5:]: v for k, v in p.items() if k.startswith("head.")}, {}), h)[0].sum()
+
+    grads, _ = fr.grad_and_value(f)(params, x)
+    twin = copy.deepcopy(model)
+    twin["head"](torch.utils.checkpoint.checkpoint(twin["block"], x.detach().requires_grad_(), use_reentrant=True)).sum().backward()
+    for k, p in twin.named_parameters():
+        torch.testing.assert_close(grads[k], p.grad, msg=k)
+    assert x.grad is None and all(p.grad is None for p in model.parameters())

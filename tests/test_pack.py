@@ -74,26 +74,6 @@ def test_group_by_first_seen_order() -> None:
     assert _pack.group_by([], _pack.device_dtype) == {}
 
 
-@pytest.mark.parametrize(
-    "numels, cap, expected",
-    [
-        ([], 8, []),
-        ([2], 8, [range(0, 1)]),
-        ([1, 1], 2, [range(0, 2)]),  # exactly at the cap stays together
-        ([1, 1, 1], 2, [range(0, 2), range(2, 3)]),
-        ([100], 8, [range(0, 1)]),  # larger than the cap: a bucket of its own
-        ([1, 100, 1], 8, [range(0, 1), range(1, 2), range(2, 3)]),
-        ([0, 0, 2, 0], 8, [range(0, 4)]),
-        ([3, 3, 3, 10, 1], 6, [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]),
-    ],
-)
-def test_buckets(numels: list[int], cap: int, expected: list[range]) -> None:
-    got = _pack.buckets(numels, itemsize=4, cap_bytes=cap * 4)
-    assert got == expected
-    # every tensor in exactly one bucket, in order
-    assert [i for r in got for i in r] == list(range(len(numels)))
-
-
 def test_check_packable_names_the_path() -> None:
     dense, sparse = torch.ones(2), torch.eye(2).to_sparse()
     _pack.check_packable([dense], [0], ["['a']"], caller="fr.x")

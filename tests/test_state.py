@@ -234,7 +234,8 @@ def test_apply_rejects_bad_arguments() -> None:
     with pytest.raises(TypeError, match=r"^fr\.apply: module must be an nn\.Module, got function$"):
         fr.apply(lambda x: x, fr.State({}, {}), 1)  # type: ignore[arg-type]
     with pytest.raises(
-        TypeError, match=r"^fr\.apply: state must be an fr\.State\(params, buffers\), got dict; make one"
+        TypeError,
+        match=r"^fr\.apply: state must be an fr\.State\(params, buffers\), got dict; make one",
     ):
         fr.apply(nn.ReLU(), {}, torch.ones(1))  # type: ignore[arg-type]
 

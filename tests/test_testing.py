@@ -32,6 +32,7 @@ from freplicate.testing._strategies import (
     KINDS,
     Checkpointed,
     Pair,
+    Reassigned,
     SparseEmbedding,
     TiedMLP,
 )
@@ -402,7 +403,7 @@ def test_modules_draw_every_kind_with_inputs_that_run():
 
     check()
     assert kinds >= {"Sequential", "BatchNorm1d", "TiedMLP", "Buffered", "Nested", "WithUnused"}
-    assert kinds >= {"TwoInputs", "Keywords"}
+    assert kinds >= {"TwoInputs", "Keywords", "SharedNames"}
     assert inputs_forms == {torch.Tensor, tuple, dict}
 
 
@@ -422,6 +423,34 @@ def test_modules_have_what_their_kind_promises():
     assert not double.training and all(p.dtype == torch.float64 for p in double.parameters())
 
 
+def test_shared_modules_name_one_tensor_several_ways():
+    shared, _ = _first(modules(kinds=["shared"]))
+    names = [k for k, _ in shared.named_parameters(remove_duplicate=False)]
+    weight = shared.block.lin.weight
+    tied = [k for k, p in shared.named_parameters(remove_duplicate=False) if p is weight]
+    assert tied == ["block.lin.weight", "again.lin.weight", "stack.0.lin.weight", "stack.1.weight"]
+    assert len(list(shared.parameters())) == 3 < len(names)
+    assert [k for k, _ in shared.named_buffers(remove_duplicate=False)] == [
+        "block.scale",
+        "again.scale",
+        "stack.0.scale",
+    ]
+
+
+def test_reassigned_modules_rebind_their_buffers_in_training_only():
+    module, inputs = _first(modules(kinds=["reassigned"], training=True))
+    x = _first(inputs)
+    before = dict(module.named_buffers())
+    module(x)
+    after = dict(module.named_buffers())
+    assert all(after[k] is not before[k] for k in before), "new tensors, not updated in place"
+    assert all(b._version == 0 for b in before.values())
+    assert int(after["steps"]) == 1 and not torch.equal(after["avg"], before["avg"])
+    module.eval()
+    module(x)
+    assert all(b is after[k] for k, b in module.named_buffers())
+
+
 def test_modules_reject_unknown_kinds():
     with pytest.raises(ValueError, match=r"fr\.testing\.modules: unknown kinds \['lstm'\]"):
         modules(kinds=["lstm"])
@@ -431,9 +460,9 @@ def test_modules_reject_unknown_kinds():
 
 def test_modules_draw_only_the_classic_kinds_unless_asked():
     assert set(CLASSIC_KINDS) < set(KINDS)
-    assert {"checkpoint", "sparse", "dropout"} == set(KINDS) - set(CLASSIC_KINDS)
+    assert {"reassigned", "checkpoint", "sparse", "dropout"} == set(KINDS) - set(CLASSIC_KINDS)
     drawn = _collect(modules(), 100)
-    assert not any(isinstance(m, (Checkpointed, SparseEmbedding)) for m, _ in drawn)
+    assert not any(isinstance(m, (Checkpointed, SparseEmbedding, Reassigned)) for m, _ in drawn)
     assert not any(isinstance(x, nn.Dropout) for m, _ in drawn for x in m.modules())
 
 

@@ -10,9 +10,10 @@ bake it into the graph: one layout for ``all_reduce``, ``broadcast``,
 what differs between two ranks' layouts.
 
 Buckets follow DDP's: dense tensors in the reverse of the leaves' order (the
-order gradients become ready), grouped per (device, dtype), cut into buckets
-of at most ``bucket_cap_mb``, the first at most 1 MiB so that it starts early
-and its flag words (``_flags``) come back soon. Within a bucket, tensors of
+order gradients become ready), per (device, dtype), cut as DDP cuts them
+(a bucket closes once it reaches ``bucket_cap_mb``; at the default cap the
+first holds 1 MiB, so that it starts early and its flag words (``_flags``)
+come back soon). Within a bucket, tensors of
 one shape sit side by side (a *run*: one stack packs them, one unbind views
 them back).
 
@@ -35,7 +36,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._pack import buckets as cut
 from .._pack import group_by
 from . import _flags
 from ._options import Options
@@ -52,8 +52,9 @@ __all__ = [
     "valid_rows",
 ]
 
-# DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``)
+# DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``), at its default cap
 FIRST_BUCKET_BYTES = 1024 * 1024
+DEFAULT_CAP_MB = 25.0
 
 #: a tensor leaf's signature: (shape, dtype, device, layout)
 Sig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout]
@@ -270,28 +271,45 @@ def _region(shape: tuple[int, ...], chunks: int) -> tuple[int, int]:
     return rows, rows * math.prod(shape[1:])
 
 
+def _comm(dtype: torch.dtype, options: Options) -> torch.dtype:
+    """The dtype a bucket of ``dtype`` tensors travels in."""
+    if options.comm is not None and dtype.is_floating_point and dtype.itemsize > 2:
+        return options.comm
+    if dtype == torch.bool:
+        return torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
+    return dtype
+
+
 def _cuts(
     sigs: Sequence[Sig], order: Sequence[int], options: Options, chunks: int
 ) -> list[tuple[list[int], torch.dtype]]:
-    """Each bucket's tensors (grouped by shape) and the dtype it travels in, in launch order."""
-    out: list[tuple[list[int], torch.dtype]] = []
-    for (_, dtype), positions in group_by(order, lambda k: (sigs[k][2], sigs[k][1])).items():
-        members = [order[p] for p in positions]
-        comm = dtype
-        if options.comm is not None and dtype.is_floating_point and dtype.itemsize > 2:
-            comm = options.comm
-        elif dtype == torch.bool:
-            comm = torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
-        sizes = [chunks * _region(sigs[k][0], chunks)[1] for k in members]
-        runs = cut(sizes, comm.itemsize, options.cap_bytes)
-        if not out:  # the layout's first bucket: DDP's smaller cap
-            first = cut(sizes, comm.itemsize, min(options.cap_bytes, FIRST_BUCKET_BYTES))[0]
-            rest = cut(sizes[first.stop :], comm.itemsize, options.cap_bytes)
-            runs = [first] + [range(r.start + first.stop, r.stop + first.stop) for r in rest]
-        for run in runs:
-            # equal shapes side by side: one stack packs them, one unbind views them back
-            by_shape = group_by([members[r] for r in run], lambda k: sigs[k][0])
-            out.append(([members[run[p]] for same in by_shape.values() for p in same], comm))
+    """Each bucket's tensors (grouped by shape) and the dtype it travels in, in launch order.
+
+    DDP's rule (``_compute_bucket_assignment_by_size``): per (device, dtype),
+    tensors join the open bucket in ``order``, which closes once its bytes
+    reach the limit (so a bucket may pass it by its last tensor); the first
+    bucket of each kind has DDP's first limit (1 MiB at the default
+    ``bucket_cap_mb``, else the cap); closed buckets come in the order they
+    closed, then the open ones. The same number of collectives as DDP.
+    """
+    first = FIRST_BUCKET_BYTES if options.bucket_cap_mb == DEFAULT_CAP_MB else options.cap_bytes
+    open_: dict[Any, tuple[list[int], int, int]] = {}  # per kind: members, bytes, closed so far
+    closed: list[list[int]] = []
+    for k in order:
+        _, dtype, device, _ = sigs[k]
+        members, size, nth = open_.get((device, dtype), ([], 0, 0))
+        members.append(k)
+        size += chunks * _region(sigs[k][0], chunks)[1] * _comm(dtype, options).itemsize
+        if size >= (first if nth == 0 else options.cap_bytes):
+            closed.append(members)
+            members, size, nth = [], 0, nth + 1
+        open_[(device, dtype)] = (members, size, nth)
+    out = []
+    for members in closed + [m for m, _, _ in open_.values() if m]:
+        # equal shapes side by side: one stack packs them, one unbind views them back
+        by_shape = group_by(members, lambda k: sigs[k][0])
+        grouped = [members[p] for same in by_shape.values() for p in same]
+        out.append((grouped, _comm(sigs[members[0]][1], options)))
     return out
 
 

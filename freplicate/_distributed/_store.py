@@ -57,7 +57,7 @@ def check(caller: str, group_name: str, layout: Layout) -> str | None:
     mine: Described = (caller, layout.description)
     fingerprint = layout.fingerprint
     store = group_store(pg)
-    if store is None:  # pragma: no cover - a torch without the lookup
+    if store is None:  # a torch without the lookup (tests/test_compile.py takes it away)
         return _by_collective(caller, pg, fingerprint, mine)
     rank, world = dist.get_rank(pg), dist.get_world_size(pg)
     attempt = f"{os.getpid()}.{next(_ATTEMPTS)}"
@@ -158,9 +158,7 @@ def _others_at(store: Any, rank: int, world: int) -> list[tuple[int, Any]]:
     return found
 
 
-def _by_collective(  # pragma: no cover - a torch without the store lookup
-    caller: str, pg: Any, fingerprint: int, mine: Described
-) -> str | None:
+def _by_collective(caller: str, pg: Any, fingerprint: int, mine: Described) -> str | None:
     """The same check through one all-gather, for a torch whose store cannot be reached."""
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, (fingerprint, mine), group=pg)

@@ -5,20 +5,17 @@
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from .. import _pack, _tree
 from .._checks import check_mean, check_op, check_trees
-from .._torch import is_compiling, transform_level
+from .._torch import foreach_div_, is_compiling, transform_level
 from .._typing import Op, T
 
 __all__ = ["all_reduce", "reduce_lists"]
 
-_LAYOUT = operator.attrgetter("layout")
-_DTYPE = operator.attrgetter("dtype")
 _DENSE = {torch.strided}
 # A mean in these dtypes sums in float64 and rounds once at the end: n values
 # near the dtype's largest would overflow a sum in the dtype (float16 tops out
@@ -148,12 +145,10 @@ def reduce_lists(
     gradients of ``nn.Embedding(sparse=True)``) one by one, staying sparse.
     A mean in float16 and bfloat16 sums in float64 and rounds once (``_WIDEN``).
     """
-    if is_compiling():
-        return _traced(lists, targets, op)
     out: list[torch.Tensor] = [None] * len(targets)  # type: ignore[list-item]
     n = len(lists)
     positions: Sequence[int] = range(len(targets))
-    if set(map(_LAYOUT, lists[0])) != _DENSE:
+    if {t.layout for t in lists[0]} != _DENSE:  # (Dynamo cannot trace attrgetter)
         sparse = [k for k in positions if lists[0][k].layout != torch.strided]
         for k in sparse:
             total = lists[0][k].to(targets[k])
@@ -166,7 +161,7 @@ def reduce_lists(
         every = len(idx) == len(targets)
         group = [list(lst) if every else [lst[k] for k in idx] for lst in lists]
         widened: list[tuple[int, torch.dtype]] = []  # positions summed in float64
-        if op == "mean" and n > 1 and not _WIDEN.isdisjoint(map(_DTYPE, group[0])):
+        if op == "mean" and n > 1 and not _WIDEN.isdisjoint(t.dtype for t in group[0]):
             widened = [(i, t.dtype) for i, t in enumerate(group[0]) if t.dtype in _WIDEN]
             for lst in group:
                 for i, _ in widened:
@@ -175,11 +170,12 @@ def reduce_lists(
             group, dev, paths=paths if every else [paths[k] for k in idx], caller=caller
         )
         if op == "mean":
-            if transform_level() is None and not any(s.requires_grad for s in sums):
+            if _in_place(sums):
                 # the sums are fresh buffers of ours, never an input: divide in place
-                torch._foreach_div_(sums, n)
+                foreach_div_(sums, n)
             else:
-                # autograd or a torch.func transform (foreach ops have no batching rules)
+                # autograd, a torch.func transform (foreach ops have no batching rules), or
+                # Dynamo tracing: the same division, out of place
                 sums = [t / n for t in sums]
             for i, dtype in widened:
                 sums[i] = sums[i].to(dtype)
@@ -188,25 +184,8 @@ def reduce_lists(
     return out
 
 
-def _traced(
-    lists: Sequence[Sequence[torch.Tensor]], targets: Sequence[torch.device], op: Op
-) -> list[torch.Tensor]:
-    """``reduce_lists`` while Dynamo traces: leaf by leaf, in plain ops it compiles in one graph.
-
-    The same arithmetic as the eager path (the compiler fuses the leaves' ops).
-    """
-    n = len(lists)
-    out = []
-    for k, target in enumerate(targets):
-        parts = [lst[k].to(target) for lst in lists]
-        dtype = parts[0].dtype
-        widen = op == "mean" and n > 1 and dtype in _WIDEN
-        if widen:
-            parts = [p.double() for p in parts]
-        total = parts[0] if n > 1 else parts[0].clone()
-        for p in parts[1:]:
-            total = total + p
-        if op == "mean":
-            total = total / n
-        out.append(total.to(dtype) if widen else total)
-    return out
+def _in_place(sums: Sequence[torch.Tensor]) -> bool:
+    """Whether dividing ``sums`` in place is safe: eager, outside autograd and every transform."""
+    if is_compiling() or transform_level() is not None:
+        return False
+    return not any(s.requires_grad for s in sums)

@@ -271,6 +271,63 @@ class Buffered(nn.Module):
         return self.lin(x) * self.scale + self.offset + self.running
 
 
+class Scaled(nn.Module):
+    """``tanh(Linear(x)) * scale``, ``scale`` a registered buffer: the block ``SharedNames`` shares."""
+
+    scale: torch.Tensor
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("scale", torch.rand(n) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+class SharedNames(nn.Module):
+    """Tensors under several names: one block reached three ways, a weight tied across modules.
+
+    ``block``, ``again`` and ``stack.0`` are one ``Scaled`` module (its weight,
+    bias and buffer have three names each), and ``stack.1.weight`` is that
+    block's weight too (four names): what a state may name by any of them.
+    """
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.block = Scaled(n)
+        self.again = self.block
+        self.stack = nn.ModuleList([self.block, nn.Linear(n, n)])
+        self.stack[1].weight = self.block.lin.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stack[1](self.again(self.block(x)))
+
+
+class Reassigned(nn.Module):
+    """A forward that reassigns its buffers (``self.avg = ...``) instead of updating them in place.
+
+    In training mode, an exponential average of the inputs and a step count,
+    each a new tensor every call (as EMA-style code writes them); the output
+    depends on the average.
+    """
+
+    avg: torch.Tensor
+    steps: torch.Tensor
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(n, n)
+        self.register_buffer("avg", torch.zeros(n))
+        self.register_buffer("steps", torch.tensor(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.avg = 0.9 * self.avg + 0.1 * x.detach().mean(0)
+            self.steps = self.steps + 1
+        return self.lin(x - self.avg)
+
+
 class Nested(nn.Module):
     """Nested containers (ModuleDict, ModuleList, Sequential) and a tree of outputs."""
 
@@ -462,6 +519,20 @@ def _buffered(
     return Buffered(n), _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
 
 
+def _shared(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    n = draw(size)
+    return SharedNames(n), _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
+
+
+def _reassigned(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    n = draw(size)
+    return Reassigned(n), _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
+
+
 def _nested(
     draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
 ) -> _Built:
@@ -548,6 +619,8 @@ _KINDS: dict[str, _Builder] = {
     "unused": _unused,
     "positional": _positional,
     "keywords": _keywords,
+    "shared": _shared,
+    "reassigned": _reassigned,
     "checkpoint": _checkpointed,
     "sparse": _sparse,
     "dropout": _dropout,
@@ -556,7 +629,7 @@ _KINDS: dict[str, _Builder] = {
 KINDS: tuple[str, ...] = tuple(_KINDS)
 """Every kind ``modules()`` knows."""
 
-CLASSIC_KINDS: tuple[str, ...] = KINDS[: KINDS.index("keywords") + 1]
+CLASSIC_KINDS: tuple[str, ...] = KINDS[: KINDS.index("shared") + 1]
 """The kinds ``modules()`` draws by default: deterministic, dense, differentiable by ``torch.func``."""
 
 
@@ -585,10 +658,18 @@ def modules(
     buffers updated in forward), ``"nested"`` (ModuleDict / ModuleList and a
     tree of outputs), ``"unused"`` (parameters that never reach the output,
     and a frozen one), ``"positional"`` (``forward(x, y)``) and
-    ``"keywords"`` (``forward(x, *, scale, shift)``).
+    ``"keywords"`` (``forward(x, *, scale, shift)``) and ``"shared"``
+    (tensors under several names: one block reached as three attributes, a
+    weight tied across two modules).
 
     Drawn only when named in ``kinds``, as each asks something of the test
     that uses it:
+
+    - ``"reassigned"``: a forward that reassigns its buffers in training mode
+      (``self.avg = 0.9 * self.avg + ...``, ``self.steps = self.steps + 1``)
+      rather than updating them in place. A stateful module keeps the new
+      tensors; ``nn.DataParallel`` loses them (they land on its replica), so
+      a comparison with it differs here by design.
 
     - ``"checkpoint"``: a block under activation checkpointing, in one of
       ``CHECKPOINT_MODES``: ``torch.utils.checkpoint.checkpoint`` with
