@@ -58,13 +58,14 @@ def _phases() -> dict[str, float]:
     """Seconds in Dynamo's tracing, AOT autograd and Inductor, from Dynamo's own counters."""
     from torch._dynamo.utils import compile_times
 
-    table = compile_times(repr="raw")
+    names, values = compile_times(repr="csv", aggregate=True)
+    table = dict(zip(names, values))
     keys = {
         "dynamo": "bytecode_tracing",
         "aot": "create_aot_dispatcher_function",
         "inductor": "fx_codegen_and_compile",
     }
-    return {k: float(sum(table.get(v, [0.0]))) for k, v in keys.items()}
+    return {k: float(table.get(v, 0.0)) for k, v in keys.items()}
 
 
 def _one(args: Any) -> dict[str, Any]:
