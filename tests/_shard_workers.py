@@ -864,11 +864,10 @@ def zero2_compiled(rank: int) -> dict[str, Any]:
     def train(step: Callable[..., Any]) -> list[Any]:
         params = fr.state(model).params
         mine = fr.distributed.shard(params)
-        zeros = tensor_map(torch.zeros_like, mine)
-        state = {
+        state = {  # two trees of zeros: one tree twice would alias at the first call only
             "step": torch.zeros((), dtype=torch.float64),
-            "exp_avg": zeros,
-            "exp_avg_sq": zeros,
+            "exp_avg": tensor_map(torch.zeros_like, mine),
+            "exp_avg_sq": tensor_map(torch.zeros_like, mine),
         }
         out = []
         for i in range(5):
@@ -894,14 +893,18 @@ def zero2_compiled(rank: int) -> dict[str, Any]:
 
 @scenario
 def compiled_new_shapes(rank: int) -> Any:
-    """Reported: one compiled function called on a tree of new shapes is retraced with Dynamo's
-    automatic dynamic shapes; the traced layout check then fails in Dynamo itself (symbolic sizes
-    reach ``assume_constant_result``) instead of planning the new layout or raising its
-    "has a dynamic size" TypeError."""
+    """One compiled function called on trees of new shapes: Dynamo retraces with dynamic sizes,
+    which the traced plan specializes (a graph per size, each planned and checked across ranks:
+    new sizes that differ across ranks are a mismatch on both)."""
     torch._dynamo.reset()
     reduce = torch.compile(lambda t: fr.distributed.all_reduce(t), backend="eager", fullgraph=True)
-    reduce({"dyn": torch.ones(3, 2)})
-    return outcome(lambda: reduce({"dyn": torch.ones(5, 2)}))
+    full = float(rank + 1)
+    return {
+        "sizes": [
+            outcome(lambda n=n: reduce({"dyn": torch.full((n, 2), full)})) for n in (3, 5, 7, 5)
+        ],
+        "mismatch": outcome(lambda: reduce({"dyn": torch.full((9 + rank, 2), full)})),
+    }
 
 
 @scenario

@@ -134,11 +134,6 @@ def test_primitives_on_three_ranks(job3):
     check_primitives(ok(job3, "primitives"), exact=False)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: fr.distributed.shard maps every leaf on its own, so a tied tensor comes "
-    "back as two views (the fix: one view per tensor object, in _collectives.shard)",
-)
 def test_shard_keeps_a_tied_leaf_one_tensor(job):
     # the issue: "tied leaves sharded once"; reduce_scatter and all_gather keep the tie
     for r in ok(job, "primitives"):
@@ -397,11 +392,6 @@ def test_a_zero2_checkpoint_resumes_on_another_number_of_ranks(job):
         bitwise(r["one_to_two"], r["whole"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: _store.check lets an agreed layout pass without waiting, then takes a "
-    "peer that ran ahead to the next, new layout for a different tree at this call",
-)
 def test_a_rank_ahead_at_the_next_layout_is_no_mismatch(job):
     for r in ok(job, "compiled_check_race"):
         assert r[0] == "ok", r
@@ -417,25 +407,20 @@ def test_the_whole_zero2_step_compiles_to_one_graph_equal_to_eager(job):
         assert worst(r["eager"], r["ddp"]) <= 1e-6
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: all_gather returns a 0-dim leaf as the very shard tensor it was given, "
-    "so the next step's params and shards hold one tensor twice: Dynamo's duplicate-input guard "
-    "recompiles the step once (the fix: a fresh tensor for a 0-dim leaf too)",
-)
 def test_the_compiled_zero2_step_does_not_recompile_as_it_trains(job):
     for r in ok(job, "zero2_compiled"):
         assert r["graphs"] == 1  # five steps
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: a compiled call on new shapes retraces with symbolic sizes, which "
-    "_plans._traced passes to assume_constant_result: Dynamo raises Unsupported",
-)
-def test_a_compiled_collective_on_new_shapes_plans_them_or_says_so(job):
+def test_a_compiled_collective_on_new_shapes_plans_each_and_checks_it(job):
     for r in ok(job, "compiled_new_shapes"):
-        assert r[0] == "ok" or (r[1] == "TypeError" and "dynamic size" in r[2]), r
+        for n, got in zip((3, 5, 7, 5), r["sizes"]):
+            assert got[0] == "ok", got
+            assert torch.equal(got[1]["dyn"], torch.full((n, 2), 1.5))
+        # fullgraph=True: the error is Dynamo's, with the mismatch's message in it
+        kind, _, message = r["mismatch"]
+        assert kind == "raised", r["mismatch"]
+        assert "the tensor at ['dyn'] differs across ranks" in message, message
 
 
 def test_zero2_skip_accumulate_and_weight_compiled_equal_eager(job):

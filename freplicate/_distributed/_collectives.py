@@ -19,7 +19,15 @@ import torch.distributed as dist
 
 from .._checks import check_choice, check_int
 from .._torch import is_compiling
-from .._tree import NAMESPACE, describe, first_difference, flatten_in_order, tensor_values
+from .._tree import (
+    NAMESPACE,
+    alias_groups,
+    describe,
+    first_difference,
+    flatten_in_order,
+    rebuild,
+    tensor_values,
+)
 from .._typing import Compress, Op, TensorTree
 from ._call import Announced, Call
 from ._group import check_not_transformed, check_src, world_size
@@ -146,7 +154,9 @@ def reduce_scatter(
     rows of every leaf, zero-padded where dim 0 does not divide, as FSDP2's
     copy-in), so each rank receives only its own chunk: half the traffic of
     an all-reduce on two ranks. Checked across ranks as ``all_reduce``;
-    ``compress`` as there. Dense tensors only.
+    ``compress`` as there. Dense tensors only. Equal to ``all_reduce``'s
+    rows bitwise on two ranks (one addition); on more, within rounding: the
+    backend may add the ranks' values in another order for each collective.
 
     Args:
         tree: the tree to reduce; every rank passes the same layout.
@@ -357,9 +367,13 @@ def _rank_and_world(group: Any, caller: str) -> tuple[int, int]:
 
 
 def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of ``t`` as a view (``torch.chunk``'s split), a 0-dim tensor whole."""
+    """This rank's rows of ``t`` as a view (``torch.chunk``'s split), a 0-dim tensor whole.
+
+    A view in every case, never ``t`` itself: a step's parameters and their
+    shards share no tensor object (Dynamo would guard on the duplicate).
+    """
     if t.dim() == 0:
-        return t
+        return t.view(())
     c = -(-t.shape[0] // world)
     return t[rank * c : rank * c + valid_rows(c, t.shape[0], rank)]
 
@@ -390,11 +404,9 @@ def shard(tree: TensorTree, *, group: Any = None) -> TensorTree:
     rank, world = _rank_and_world(group, "fr.distributed.shard")
     if world <= 1:
         return tree
-    return optree.tree_map(
-        lambda x: _rows(x, rank, world) if isinstance(x, torch.Tensor) else x,
-        tree,
-        namespace=NAMESPACE,
-    )
+    leaves, spec = flatten_in_order(tree)
+    unique, slot = alias_groups(leaves)  # a tied tensor: one view, tied in the result too
+    return rebuild(spec, leaves, slot, [_rows(leaves[i], rank, world) for i in unique])
 
 
 def all_gather(
@@ -406,7 +418,7 @@ def all_gather(
     ``all_gather(shard(t), t)`` equals ``t`` exactly); every rank sends its
     own, coalesced into ``all_reduce``'s buckets laid out rank-major, and
     receives everyone's. A 0-dim leaf is held whole by every rank: it comes
-    back as this rank's. ``like``'s values are not read, only its layout.
+    back as a copy of this rank's. ``like``'s values are not read, only its layout.
     Checked across ranks as ``all_reduce``.
 
     Args:
@@ -443,7 +455,8 @@ def all_gather(
             call = scope.call = Call(plan, group, world, caller, check=check)
             call.begin()
             call.launch_rest([plan.parts(b, mine) for b in range(len(layout.buckets))])
-            results = call.finish(local=[mine[k] for k in layout.local])
+            # a 0-dim leaf: a new tensor too, so results never alias the shards given
+            results = call.finish(local=[mine[k].clone() for k in layout.local])
         return plan.rebuild(leaves, results)
 
 

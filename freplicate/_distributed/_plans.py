@@ -225,7 +225,7 @@ def _traced(
         accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=NAMESPACE)
         keys = None
         paths = tuple(a.codify("") or "<root>" for a in accessors)
-    sigs = tuple(_traced_sig(x, p, caller) for x, p in zip(leaves, paths))
+    sigs = tuple(map(_traced_sig, leaves))
     unique, slot = alias_groups(leaves)
     bare = len(unique) == len(leaves)
     pg = dist.group.WORLD if group is None else group
@@ -239,18 +239,16 @@ def _traced(
     return Plan(answer, spec, keys, eager=False), leaves
 
 
-def _traced_sig(x: Any, path: str, caller: str) -> Sig | None:
-    """A leaf's signature as trace-time constants (``None``: not a tensor)."""
+def _traced_sig(x: Any) -> Sig | None:
+    """A leaf's signature as trace-time constants (``None``: not a tensor).
+
+    The buckets are planned from concrete sizes: a symbolic one (a retrace on
+    new shapes makes them dynamic) is specialized, as ``operator.index`` does
+    it, so Dynamo guards on its value and a new size retraces and replans.
+    """
     if not isinstance(x, torch.Tensor):
         return None
-    shape = tuple(x.shape)
-    if not all(isinstance(d, int) for d in shape):
-        raise TypeError(
-            f"{caller}: under torch.compile, the tensor at {path} has a dynamic size; "
-            "fr.distributed plans its buckets from static shapes while tracing: mark it "
-            "static (torch._dynamo.mark_static) or compile with dynamic=False"
-        )
-    return (shape, x.dtype, x.device, x.layout)
+    return (tuple(map(operator.index, x.shape)), x.dtype, x.device, x.layout)
 
 
 @assume_constant_result

@@ -63,13 +63,12 @@ def check(caller: str, group_name: str, layout: Layout) -> str | None:
     attempt = f"{os.getpid()}.{next(_ATTEMPTS)}"
     store.set(f"{_KEY}/at/{rank}", pickle.dumps((fingerprint, attempt, mine)))
     if (group_name, fingerprint) in _CHECKED:
-        # Agreed before: no wait (this rank may retrace alone), but a rank already waiting on
-        # a new layout at this call is told, and this one raises with it.
+        # Agreed before: it passes, no wait and no comparison (this rank may retrace alone;
+        # a rank seen at another layout may simply have run ahead to its next call).
         _CHECKED.move_to_end((group_name, fingerprint))
-        error = _elsewhere(store, rank, world, fingerprint, mine, agreed=True)
-    else:
-        store.set(f"{_KEY}/layout/{fingerprint}/{rank}", b"")
-        error = _wait_for(store, rank, world, fingerprint, attempt, mine)
+        return None
+    store.set(f"{_KEY}/layout/{fingerprint}/{rank}", b"")
+    error = _wait_for(store, rank, world, fingerprint, attempt, mine)
     if error is not None:
         store.set(f"{_KEY}/at/{rank}", pickle.dumps(None))  # nobody compares with a failed one
         return f"{caller}: {error} (checked when torch.compile traced this call)"
@@ -105,20 +104,17 @@ def _wait_for(
     return None
 
 
-def _elsewhere(
-    store: Any, rank: int, world: int, fingerprint: int, mine: Described, agreed: bool = False
-) -> str | None:
+def _elsewhere(store: Any, rank: int, world: int, fingerprint: int, mine: Described) -> str | None:
     """The difference with a rank checking a layout no rank agreed on, or ``None``.
 
     Such a rank runs another tree at this call: this one raises, and leaves
-    the other its own message under its attempt's ``fail/<id>``. ``agreed``:
-    this rank's layout was agreed before (its key says nothing of this call).
+    the other its own message under its attempt's ``fail/<id>``.
     """
     everyone = range(world)
     for r, (theirs, their_attempt, their_layout) in _others_at(store, rank, world):
         if theirs == fingerprint or their_attempt in _FAILED or _reached(store, theirs, everyone):
             continue  # here too, failed already, or still leaving a layout every rank agreed on
-        if not agreed and _reached(store, fingerprint, everyone):
+        if _reached(store, fingerprint, everyone):
             return None  # it reached this one, then moved on
         store.set(
             f"{_KEY}/fail/{their_attempt}", pickle.dumps(difference(their_layout, r, mine, rank))
