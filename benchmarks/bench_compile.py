@@ -20,6 +20,9 @@ DistributedDataParallel and ``torch.compile`` of the DDP module (the model
 in a module of this file's: see ``UserModel``); a step's time is the
 slowest rank's median over a round's steps. Before timing, every side
 trains a few steps from the same init and must reach DDP's parameters.
+The same step over two micro-batches (half the batch each) compiled whole
+around ``step.accumulate`` is timed beside eager DDP's ``no_sync`` loop,
+in rounds of its own.
 
 Step times come from rounds that run every side once (a few steps each on
 2 ranks), the rounds in balanced orders (``_common.orders``: every side
@@ -92,6 +95,23 @@ def func_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Step:
 
     def step(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         grads, _ = grad_fn(params)
+        return {k: p - LR * grads[k] for k, p in params.items()}
+
+    return step
+
+
+def fr_accumulate_step(model: nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> Step:
+    """The distributed step over micro-batches: ``step.accumulate``, DDP's ``no_sync`` loop."""
+    buffers = fr.state(model).buffers
+
+    def loss_fn(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.apply(model, fr.State(params, buffers), x)
+        return F.cross_entropy(out, y)
+
+    grad_fn = fr.distributed.grad_and_value(loss_fn)
+
+    def step(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        grads, _ = grad_fn.accumulate(params, micro)
         return {k: p - LR * grads[k] for k, p in params.items()}
 
     return step
@@ -237,6 +257,41 @@ def _ddp_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Any, 
     return step, seconds
 
 
+def _ddp_accumulate_side(
+    model: nn.Module, micro: list[tuple[torch.Tensor, torch.Tensor]]
+) -> Callable[[], Any]:
+    """Eager DDP over micro-batches: ``no_sync()`` around all but the last, then SGD."""
+    own = copy.deepcopy(model)
+    wrapped = nn.parallel.DistributedDataParallel(own)
+    opt = torch.optim.SGD(own.parameters(), lr=LR, foreach=True)
+
+    def step() -> dict[str, torch.Tensor]:
+        opt.zero_grad()
+        with wrapped.no_sync():
+            for x, y in micro[:-1]:
+                F.cross_entropy(wrapped(x), y).backward()
+        x, y = micro[-1]
+        F.cross_entropy(wrapped(x), y).backward()
+        opt.step()
+        return {k: p.detach() for k, p in own.named_parameters()}
+
+    return step
+
+
+def _accumulated(name: str, rounds: int, steps: int) -> tuple[Any, float]:
+    """The compiled accumulating step beside DDP's ``no_sync`` loop; its compile seconds."""
+    model, x, y = build(name)
+    half = x.shape[0] // 2
+    micro = [(x[:half], y[:half]), (x[half:], y[half:])]
+    torch._dynamo.reset()
+    compiled, seconds = cold_compile(fr_accumulate_step(model, micro), model)
+    finals = {"ddp": _ddp_accumulate_side(model, micro), "fr": trainer(compiled, model)}
+    if _agree(finals) > 1e-4:
+        raise AssertionError(f"{name}: the compiled accumulating step disagrees with DDP's")
+    sides = [_ddp_accumulate_side(model, micro), trainer(compiled, model)]
+    return _rounds(sides, rounds, steps), seconds
+
+
 TWO_RANK_SIDES = (
     "eager DDP",
     "torch.compile(DDP)",
@@ -267,9 +322,10 @@ def _two_rank_model(name: str, rounds: int, steps: int) -> tuple[Any, list[float
         trainer(fr_overlap, model),
     ]
     t = _rounds(sides, rounds, steps)
-    compile_s = torch.tensor([ddp_s, fr_s, overlap_s], dtype=torch.float64)
+    accumulated, accumulate_s = _accumulated(name, rounds, steps)
+    compile_s = torch.tensor([ddp_s, fr_s, overlap_s, accumulate_s], dtype=torch.float64)
     dist.all_reduce(compile_s, op=dist.ReduceOp.MAX)
-    return t, compile_s.tolist()
+    return (t, accumulated), compile_s.tolist()
 
 
 def _measure(args: argparse.Namespace) -> dict[str, tuple[Any, list[float]]]:
@@ -283,7 +339,7 @@ def two_ranks(models: tuple[str, ...], rounds: int, steps: int, pin: bool) -> li
     results = on_two_ranks(_measure, args, pin=pin, group_timeout=600, limit=7200)
     rows = []
     for name in models:
-        t, (ddp_s, fr_s, overlap_s) = results[name]
+        (t, accumulated), (ddp_s, fr_s, overlap_s, accumulate_s) = results[name]
         for i in (1, 2, 3):
             target = VS_DDP.get(name) if i == 2 else None
             measure = f"2 ranks: {TWO_RANK_SIDES[i]} / eager DDP"
@@ -296,6 +352,14 @@ def two_ranks(models: tuple[str, ...], rounds: int, steps: int, pin: bool) -> li
         rows.append(Row(NAME, measure, name, fr_s, ddp_s, fr_s / ddp_s))
         measure = "2 ranks: compile time: fr.distributed step with reordering / without"
         rows.append(Row(NAME, measure, name, overlap_s, fr_s, overlap_s / fr_s))
+        a = accumulated
+        measure = (
+            "2 ranks, 2 micro-batches: compiled fr.distributed step (accumulate) / "
+            "eager DDP (no_sync)"
+        )
+        rows.append(Row(NAME, measure, name, a.median(1), a.median(0), a.ratio(1, 0)))
+        measure = "2 ranks: compile time: the accumulating step / the plain step"
+        rows.append(Row(NAME, measure, name, accumulate_s, fr_s, accumulate_s / fr_s))
     return rows
 
 
