@@ -90,10 +90,11 @@ class Leaves:
     [[3.0, 3.0], [0.0, 0.0], [1.0, 1.0, 1.0]]
     """
 
-    __slots__ = ("gets", "identity", "reorder", "singles", "sizes")
+    __slots__ = ("gets", "identity", "reorder", "singles", "sizes", "stacked")
 
     def __init__(self, groups: Sequence[Sequence[int]]) -> None:
         self.sizes = [len(g) for g in groups]
+        self.stacked = any(k > 1 for k in self.sizes)  # a leaf stacks several tensors
         self.gets = [operator.itemgetter(*g) for g in groups]
         order = [i for g in groups for i in g]
         # no group (any number of tensors), or one leaf a tensor in the tensors' order

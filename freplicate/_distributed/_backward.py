@@ -96,14 +96,32 @@ class Attempt:
     ``grads``: this rank's local gradients, one per tensor of the layout,
     kept before they are sent (the slow path reduces them if a rank asks
     every rank to retry); ``None`` where the backward pass did not finish.
+    Kept as they came (the stacks' gradients) and split only if a retry
+    reads them: most steps never do.
     """
 
-    __slots__ = ("grads", "rewind", "value")
+    __slots__ = ("_grads", "_split", "rewind", "value")
 
     def __init__(self) -> None:
         self.rewind: Rewind | None = None
-        self.grads: list[torch.Tensor] | None = None
+        self._grads: Sequence[torch.Tensor] | None = None
+        self._split: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None = None
         self.value: Any = None
+
+    def keep(
+        self,
+        grads: Sequence[torch.Tensor],
+        value: Any,
+        split: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None = None,
+    ) -> None:
+        """The first try's gradients (``split`` makes them one per tensor) and its value."""
+        self._grads, self._split, self.value = grads, split, value
+
+    @property
+    def grads(self) -> list[torch.Tensor] | None:
+        if self._grads is not None and self._split is not None:
+            self._grads, self._split = self._split(self._grads), None
+        return None if self._grads is None else list(self._grads)
 
 
 class Differentiated(NamedTuple):
@@ -131,7 +149,6 @@ def overlapped(
     """
     fn, has_aux, caller = what
     tensors = plan.tensors(leaves)
-    attempt.rewind = Rewind(tensors)
     stacks = stacks_of(plan, set(map(type, tensors)) <= PLAIN)  # plain tensors only: stacks
     made = _made(stacks, tensors, args, n, caller)
     if made is None:  # a tensor to stack is not contiguous: one leaf a tensor
@@ -139,6 +156,8 @@ def overlapped(
         made = _made(stacks, tensors, args, n, caller)
         assert made is not None
     diff, fresh = made
+    if stacks.leaves.stacked:  # a stack may meet a sparse gradient: the retry needs the numbers
+        attempt.rewind = Rewind(tensors)
     new_args = list(args)
     new_args[n] = plan.rebuild(leaves, fresh)
     layout = plan.layout
@@ -156,7 +175,7 @@ def overlapped(
             for h in handles:
                 h.remove()
     rest = detached(value, aux, has_aux)
-    attempt.grads, attempt.value = stacks.leaves.split(grads), rest
+    attempt.keep(grads, rest, stacks.leaves.split)
     if watch.sparse or any(g.layout != torch.strided for g in grads):
         call.retry()
     for b in range(call.launched, len(layout.buckets)):

@@ -26,10 +26,11 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from .._caches import register
 from .._torch import foreach_add
 from . import _carry, _flags
 from ._agree import OwnFailure, agree, announce, exchange, failure, record
-from ._copy import Part, fill, pack, put_words, results, words_of
+from ._copy import Part, fill, land, pack, put_words, views, words_of
 from ._group import ProtocolError, collective
 from ._plans import Plan
 from ._transport import Eager, Traced
@@ -176,21 +177,30 @@ class Call:
         return out
 
     def _words(self, b: int, bucket: Any) -> torch.Tensor:
-        words = _flags.clean(bucket.extra)
+        """The words bucket ``b`` ends with (eagerly, a shared tensor where all are clean)."""
+        changed: dict[int, float] = {}
         if b == len(self.layout.buckets) - 1:
-            words[_flags.FAILED] = 1.0 if self.error is not None else 0.0
-            words[_flags.RETRY] = 1.0 if self.redo else 0.0
+            if self.error is not None:
+                changed[_flags.FAILED] = 1.0
+            if self.redo:
+                changed[_flags.RETRY] = 1.0
         carried = None
         if b == 0:
             joining = _carry.armed(self.group) if self.eager else None
             if joining is not None and self.layout.speculates(self.world):
-                words[_flags.MORE] = float(joining.bit or 0)
+                if joining.bit:
+                    changed[_flags.MORE] = float(joining.bit)
                 self.joining = joining
             if self.weight is not None:
                 if bucket.comm in _WIDE:
                     carried = self.weight
                 else:
                     self._weigh_aside(bucket)
+        if self.eager and not changed and carried is None:
+            return _clean_words(bucket.extra, bucket.comm, bucket.device)
+        words = _flags.clean(bucket.extra)
+        for i, value in changed.items():
+            words[i] = value
         out = torch.tensor(words, dtype=bucket.comm, device=bucket.device)
         if carried is not None:
             out[_flags.WEIGHT] = carried
@@ -264,14 +274,22 @@ class Call:
         Every rank reads the last bucket's words: *failed* set, every rank
         raises (``failure``); *retry* set, every rank raises ``Redo``.
         """
+        t = self.transport
+        buckets = self.layout.buckets
+        # the results' views first, while the buckets are in flight, wherever it is known
+        # where their values will land (they read none): no time after the collectives
+        res = [t.result(b, bucket) for b, bucket in enumerate(buckets)]
+        where = [r if r is not None else t.landing(h) for r, h in zip(res, self.pending)]
+        early = [
+            None if w is None else views(self.kind, bucket, w, self.rank)
+            for bucket, w in zip(buckets, where)
+        ]
         if self.fast:
             self._confirm()
-        t = self.transport
         landed = [t.wait(h) for h in self.pending]
         for _, work in self.sparse:
             with collective(self.caller):
                 work.wait()
-        buckets = self.layout.buckets
         if landed and t.eager:
             last = t.read(words_of(self.kind, buckets[-1], landed[-1]))
             assert last is not None
@@ -283,17 +301,18 @@ class Call:
                 first = t.read(words_of(self.kind, buckets[0], landed[0]))
                 assert first is not None
                 self.joining.settle(first[_flags.MORE] != 0)
-        views: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         for b, bucket in enumerate(buckets):
-            got, res = results(self.kind, bucket, landed[b], t.result(b, bucket), self.rank)
+            buf = land(self.kind, bucket, landed[b], res[b])
             if self.weight is not None:
-                _divide(res[: bucket.data] if self.kind != "gather" else res, self._total(landed))
-            views += got
+                _divide(buf[: bucket.data] if self.kind != "gather" else buf, self._total(landed))
+            got = early[b]
+            out += got if got is not None else views(self.kind, bucket, buf, self.rank)
         sparse = [mine for mine, _ in self.sparse]
         if self.weight is not None and sparse:
             total = self._total(landed)
             sparse = [s / total if total else s * 0 for s in sparse]
-        return self.plan.reorder(views + sparse + list(local))
+        return self.plan.reorder(out + sparse + list(local))
 
     def _total(self, landed: Sequence[torch.Tensor]) -> Any:
         """The summed weights: read eagerly, a tensor while tracing."""
@@ -303,6 +322,19 @@ class Call:
             total = words_of(self.kind, self.layout.buckets[0], landed[0])[_flags.WEIGHT]
         total = total.real if total.is_complex() else total
         return float(total) if self.eager else total
+
+
+_CLEAN: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
+register(_CLEAN.clear)
+
+
+def _clean_words(extra: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``_flags.clean(extra)`` as a tensor, made once per kind (only ever copied from)."""
+    key = (extra, dtype, device)
+    words = _CLEAN.get(key)
+    if words is None:
+        words = _CLEAN[key] = torch.tensor(_flags.clean(extra), dtype=dtype, device=device)
+    return words
 
 
 def _sum(t: torch.Tensor, transport: Eager | Traced, group: Any, caller: str) -> Any:

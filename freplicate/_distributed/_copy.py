@@ -23,7 +23,7 @@ import torch
 from .._torch import chunk_cat, is_compiling
 from ._layout import Bucket, Run, valid_rows
 
-__all__ = ["fill", "pack", "put_words", "results", "words_of"]
+__all__ = ["fill", "land", "pack", "put_words", "views", "words_of"]
 
 Part = torch.Tensor | Sequence[torch.Tensor]
 
@@ -61,14 +61,20 @@ def _pack(
 ) -> None:
     w = bucket.chunks
     if kind == "reduce":
-        for run, part in zip(bucket.runs, parts):
-            dst = send[run.start : run.start + run.width].view(run.n, *run.shape)
-            if isinstance(part, torch.Tensor):
-                if scale is None:
-                    dst.copy_(part)
+        # every run's region in one call (a run of one tensor viewed as that tensor)
+        for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
+            if isinstance(part, torch.Tensor) or len(part) == 1:
+                # one pass: DDP's mean multiplies as it copies (a run of one tensor too)
+                if isinstance(part, torch.Tensor):
+                    src, out = part, region.view(run.n, *run.shape)
                 else:
-                    torch.mul(part, scale, out=dst)  # DDP's: a mean multiplies as it copies
+                    src, out = part[0], region.view(run.shape)
+                if scale is None:
+                    out.copy_(src)
+                else:
+                    torch.mul(src, scale, out=out)
             else:
+                dst = region.view(run.n, *run.shape)
                 torch.stack(list(part), out=dst)
                 if scale is not None:
                     dst.mul_(scale)
@@ -112,9 +118,9 @@ def fill(kind: str, bucket: Bucket, send: torch.Tensor) -> None:
 def put_words(kind: str, bucket: Bucket, send: torch.Tensor, words: torch.Tensor) -> None:
     """Write the flag ``words`` at the end of every chunk this rank sends."""
     if kind == "scatter":
-        send.view(bucket.chunks, bucket.chunk)[:, -bucket.extra :] = words
+        send.view(bucket.chunks, bucket.chunk)[:, -bucket.extra :].copy_(words)
     else:
-        send[-bucket.extra :] = words
+        send[-bucket.extra :].copy_(words)
 
 
 def words_of(kind: str, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
@@ -124,43 +130,58 @@ def words_of(kind: str, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
     return landed[-bucket.extra :]
 
 
-def results(
-    kind: str, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The bucket's results in member order, and the buffer they view.
+def views(kind: str, bucket: Bucket, buf: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """The bucket's results in member order, as views of ``buf``: no value is read.
 
-    ``res``: a buffer of the tensors' dtype to copy the landed values into
-    (another dtype travelled, or a gather's tensor-major copy); ``None``:
-    the results view ``landed`` itself.
+    ``buf``: where the results live, the landed buffer itself or the result
+    buffer that ``land`` copies it into. Made while the collective is in
+    flight (its values land in place), so the views cost no time after it.
     """
-    if kind == "gather":
-        assert res is not None
-        return _gathered(bucket, landed, res), res
-    if res is not None:
-        res.copy_(landed[: bucket.data])
-    else:
-        res = landed
     out: list[torch.Tensor] = []
+    if kind == "gather":  # tensor-major: each tensor's rows of every rank, side by side
+        w, offset = bucket.chunks, 0
+        for run in bucket.runs:
+            full = buf[offset : offset + w * run.width].view(run.n, w * run.rows, *run.shape[1:])
+            out += full[:, : run.shape[0]].unbind(0)
+            offset += w * run.width
+        return out
+    if kind == "reduce":  # every run's region in one call; a run of one tensor is its view
+        for run, region in zip(
+            bucket.runs, buf[: bucket.data].split_with_sizes(bucket.widths[:-1])
+        ):
+            if run.n == 1:
+                out.append(region.view(run.shape))
+            else:
+                out += region.view(run.n, *run.shape).unbind(0)
+        return out
     for run in bucket.runs:
-        region = res[run.start : run.start + run.width]
-        if kind == "reduce" or not run.shape:
+        region = buf[run.start : run.start + run.width]
+        if not run.shape:
             out += region.view(run.n, *run.shape).unbind(0)
         else:
             valid = valid_rows(run.rows, run.shape[0], rank)
             out += region.view(run.n, run.rows, *run.shape[1:])[:, :valid].unbind(0)
-    return out, res
+    return out
 
 
-def _gathered(bucket: Bucket, landed: torch.Tensor, res: torch.Tensor) -> list[torch.Tensor]:
+def land(kind: str, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    """Copy the landed values into ``res``, where the results live; the buffer they view.
+
+    ``res``: a buffer of the tensors' dtype (another dtype travelled, or a
+    gather's tensor-major copy of the rank-major landed one); ``None``: the
+    results view ``landed`` itself.
+    """
+    if res is None:
+        return landed
+    if kind != "gather":
+        res.copy_(landed[: bucket.data])
+        return res
     w = bucket.chunks
     grid = landed.view(w, bucket.chunk)
-    out: list[torch.Tensor] = []
     offset = 0
     for run in bucket.runs:
         src = grid[:, run.start : run.start + run.width].view(w, run.n, run.rows, *run.shape[1:])
         dst = res[offset : offset + w * run.width].view(run.n, w, run.rows, *run.shape[1:])
         dst.copy_(src.transpose(0, 1))
         offset += w * run.width
-        full = dst.view(run.n, w * run.rows, *run.shape[1:])[:, : run.shape[0]]
-        out += full.unbind(0)
-    return out
+    return res

@@ -15,10 +15,8 @@ re-raised naming the fr function.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -135,21 +133,28 @@ def check_not_transformed(caller: str) -> None:
         )
 
 
-@contextlib.contextmanager
-def collective(caller: str) -> Iterator[None]:
+class collective:  # lower case, as the context manager function it replaced
     """Around a torch.distributed call: its errors re-raised as ``CommError`` naming ``caller``.
 
     The original is the new error's ``__cause__``; running out of memory is
-    raised as it is.
+    raised as it is. A class, not a generator: it runs around every bucket.
     """
-    try:
-        yield
-    except torch.OutOfMemoryError:
-        raise
-    except (RuntimeError, ValueError) as err:
-        raise CommError(
-            f"{caller}: a collective failed: a peer rank may have died, stalled past the "
-            "group's timeout, or called another collective than this one; every rank must "
-            f"make the same fr.distributed calls in the same order ({type(err).__name__}: "
-            f"{str(err)[:300]})"
-        ) from err
+
+    __slots__ = ("caller",)
+
+    def __init__(self, caller: str) -> None:
+        self.caller = caller
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
+        if err is None or isinstance(err, torch.OutOfMemoryError):
+            return
+        if isinstance(err, (RuntimeError, ValueError)):
+            raise CommError(
+                f"{self.caller}: a collective failed: a peer rank may have died, stalled past "
+                "the group's timeout, or called another collective than this one; every rank "
+                f"must make the same fr.distributed calls in the same order "
+                f"({type(err).__name__}: {str(err)[:300]})"
+            ) from err

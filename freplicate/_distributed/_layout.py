@@ -87,6 +87,7 @@ class Bucket(NamedTuple):
     extra: int  # flag words at the end of each chunk
     chunk: int  # elements of one chunk: its runs, then the flag words
     chunks: int  # chunks in the full buffer: 1 for a reduction, W for scatter and gather
+    widths: tuple[int, ...]  # a chunk cut in its runs, then the words (``split_with_sizes``)
 
     @property
     def data(self) -> int:
@@ -202,6 +203,7 @@ def build(
                 _flags.FIRST,
                 _flags.FIRST,
                 chunks,
+                (_flags.FIRST,),
             )
         )
     order = tuple(k for bucket in made for k in bucket.members) + sparse + local
@@ -333,6 +335,7 @@ def _bucket(
         extra=extra,
         chunk=start + extra,
         chunks=chunks,
+        widths=(*(run.width for run in runs), extra),
     )
 
 

@@ -120,9 +120,7 @@ class Plan:
         """The tree of ``results`` (one per tensor), non-tensor leaves passed through, ties kept."""
         slot = self.layout.slot
         out = (
-            list(results)
-            if slot is None
-            else [results[s] if s >= 0 else x for x, s in zip(leaves, slot)]
+            results if slot is None else [results[s] if s >= 0 else x for x, s in zip(leaves, slot)]
         )
         if self.keys is not None:
             return dict(zip(self.keys, out))

@@ -16,6 +16,7 @@ local gradients as a tree instead.
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
@@ -38,6 +39,7 @@ from ._plans import Plan, plan_of
 __all__ = ["Step", "grad_and_value"]
 
 _CALLER = "fr.distributed.grad_and_value"
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Step:
@@ -287,7 +289,7 @@ class Step:
             return overlapped(what, call, plan, args, kwargs, n, leaves, attempt)
         grads, value = self.local(*args, **kwargs)
         flat = _leaves_of(grads)
-        attempt.grads, attempt.value = flat, value
+        attempt.keep(flat, value)
         expected = plan.layout.sigs
         if any(
             (g.layout == torch.sparse_coo) != (s[3] == torch.sparse_coo)
@@ -524,7 +526,10 @@ def _overlaps(
     """Whether the step's buckets can start from its backward pass (see the module's text)."""
     if plan.layout.sparse or not plan.layout.buckets or torch.is_inference_mode_enabled():
         return False
-    if not all(isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
+    if plan.keys is not None:  # a plain dict of tensors (``_plans``): no leaf to type-check
+        if any(map(_REQUIRES_GRAD, leaves)):
+            return False
+    elif not all(isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
         return False
     rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
     return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)

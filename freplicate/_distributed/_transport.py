@@ -172,6 +172,11 @@ class Eager:
         )
         return work, recv
 
+    @staticmethod
+    def landing(handle: tuple[Any, torch.Tensor]) -> torch.Tensor | None:
+        """The buffer a started collective's values land in (known before they do)."""
+        return handle[1]
+
     def wait(self, handle: tuple[Any, torch.Tensor]) -> torch.Tensor:
         """The landed buffer: the sum (reduce), this rank's chunk (scatter), every chunk (gather)."""
         work, recv = handle
@@ -217,6 +222,11 @@ class Traced:
         else:
             out = self.ops.all_gather_into_tensor(flat, self.world, self.name)
         return out, send
+
+    @staticmethod
+    def landing(handle: tuple[Any, torch.Tensor]) -> torch.Tensor | None:
+        """``None``: a traced collective's values land in a new tensor, ``wait``'s."""
+        return None
 
     def wait(self, handle: tuple[Any, torch.Tensor]) -> torch.Tensor:
         out, send = handle
