@@ -30,7 +30,7 @@ from .._caches import register
 from .._torch import foreach_add
 from . import _carry, _flags
 from ._agree import OwnFailure, agree, announce, exchange, failure, record
-from ._copy import Part, fill, land, pack, put_words, views, words_of
+from ._copy import Part, fill, joined, land, pack, put_words, views, words_of
 from ._group import ProtocolError, collective
 from ._plans import Plan
 from ._transport import Eager, Traced
@@ -135,12 +135,17 @@ class Call:
         bucket = self.layout.buckets[b]
         t = self.transport
         send = t.send(b, bucket)
-        if parts is None or not self.sending:
-            fill(self.kind, bucket, send)
+        ours = None if parts is None or not self.sending else self._merged(b, parts)
+        if send is None:  # a traced reduction: its buffer made of its parts
+            words = self._words(b, bucket) if bucket.extra else None
+            send = joined(bucket, ours, self.scale, words)
         else:
-            pack(self.kind, bucket, send, self._merged(b, parts), self.rank, self.scale)
-        if bucket.extra:
-            put_words(self.kind, bucket, send, self._words(b, bucket))
+            if ours is None:
+                fill(self.kind, bucket, send)
+            else:
+                pack(self.kind, bucket, send, ours, self.rank, self.scale)
+            if bucket.extra:
+                put_words(self.kind, bucket, send, self._words(b, bucket))
         self.pending.append(t.start(b, bucket, send))
         self.launched += 1
 

@@ -23,7 +23,7 @@ import torch
 from .._torch import chunk_cat, is_compiling
 from ._layout import Bucket, Run, valid_rows
 
-__all__ = ["fill", "land", "pack", "put_words", "views", "words_of"]
+__all__ = ["fill", "joined", "land", "pack", "put_words", "views", "words_of"]
 
 Part = torch.Tensor | Sequence[torch.Tensor]
 
@@ -103,6 +103,37 @@ def _pack(
         dst[:, :valid].copy_(_stacked(part, run))
         if valid < run.rows:
             dst[:, valid:].zero_()
+
+
+def joined(
+    bucket: Bucket,
+    parts: Sequence[Part] | None,
+    scale: float | torch.Tensor | None,
+    words: torch.Tensor | None,
+) -> torch.Tensor:
+    """A reduction's buffer as one new tensor: the parts' tensors (times ``scale``), the words.
+
+    The traced reduction's copy-in: Inductor lays a ``cat`` out as one
+    contiguous copy a tensor, where writes into views of one buffer become a
+    single loop over it that tests every region for every element (and, for
+    some, gathers element by element: +11 ms a step on mid_mlp's 40 MB). The
+    values are those of ``pack``, ``fill`` and ``put_words`` bit for bit.
+    ``parts`` ``None``: nothing of this rank's (-0.0, or 0 for integers).
+    """
+    comm = bucket.comm
+    pieces: list[torch.Tensor] = []
+    if parts is None:
+        neutral = -0.0 if comm.is_floating_point or comm.is_complex else 0
+        pieces.append(torch.full((bucket.data,), neutral, dtype=comm, device=bucket.device))
+    else:
+        for part in parts:
+            for t in (part,) if isinstance(part, torch.Tensor) else part:
+                flat = t.reshape(-1) if scale is None else (t * scale).reshape(-1)
+                pieces.append(flat.to(comm))
+    if words is not None:
+        pieces.append(words.to(comm))
+    with torch.no_grad():
+        return torch.cat(pieces)
 
 
 def fill(kind: str, bucket: Bucket, send: torch.Tensor) -> None:

@@ -202,7 +202,11 @@ class Traced:
         self.world = world
         self.ops = functional_collectives()
 
-    def send(self, b: int, bucket: Bucket) -> torch.Tensor:
+    def send(self, b: int, bucket: Bucket) -> torch.Tensor | None:
+        """A fresh buffer to pack into; ``None`` for a reduction, whose buffer is its parts
+        concatenated (``_copy.joined``: what Inductor copies best)."""
+        if self.kind == "reduce":
+            return None
         size = bucket.chunk * (bucket.chunks if self.kind == "scatter" else 1)
         return torch.empty(size, dtype=bucket.comm, device=bucket.device)
 
