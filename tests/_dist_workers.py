@@ -73,6 +73,10 @@ def _main(
     if hasattr(signal, "SIGUSR1"):  # a late rank's stack, asked for by ``spawn``
         faulthandler.register(signal.SIGUSR1, all_threads=True)
     init_loopback_group(store, rank, world, timeout=pg_timeout)
+    if die is not None:
+        # every rank past gloo's connection set-up before one dies: a rank that exits while a
+        # peer still connects fails the peer's init_process_group, not the collective under test
+        dist.barrier()
     if rank == die:
         if stall:  # alive but never joining the collective (a stuck data loader, a deadlock)
             time.sleep(3 * pg_timeout)
