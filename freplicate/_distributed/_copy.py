@@ -116,7 +116,7 @@ def joined(
     The traced reduction's copy-in: Inductor lays a ``cat`` out as one
     contiguous copy a tensor, where writes into views of one buffer become a
     single loop over it that tests every region for every element (and, for
-    some, gathers element by element: +11 ms a step on mid_mlp's 40 MB). The
+    some, gathers element by element: docs/compile.md measures the step). The
     values are those of ``pack``, ``fill`` and ``put_words`` bit for bit.
     ``parts`` ``None``: nothing of this rank's (-0.0, or 0 for integers).
     """
