@@ -1,8 +1,11 @@
 """The one coalescing engine: tensors -> flat buffers per (device, dtype) -> views.
 
 Every operation that moves or reduces many tensors at once in one process
-(``replicate``, ``scatter``/``gather``, ``all_reduce``) goes through here, so that a tree of 400 small tensors costs a handful of
-copies instead of 400. Packing is plain differentiable tensor ops (``cat``,
+(``replicate``, ``scatter``/``gather``, ``fr.all_reduce``) goes through here, so that a tree of
+400 small tensors costs a handful of copies instead of 400. Across processes,
+``fr.distributed``'s buckets (``_distributed/_layout`` and ``_copy``: DDP's
+bucket rule, flag words, rank-major chunks) are laid out there, a traced
+reduction's buffer concatenated by ``pack``. Packing is plain differentiable tensor ops (``cat``,
 ``to``, ``split``, ``view``), so it composes with autograd and ``torch.func``
 without a custom ``autograd.Function``.
 

@@ -154,12 +154,14 @@ def collectives_compiled(rank: int) -> dict[str, Any]:
     bn = nn.BatchNorm1d(3)
     bn(torch.randn(4, 3) + rank)  # running statistics that differ across ranks
     args = (tree, floats, fr.state(bn).buffers)
+    snap = _dist_workers.snapshot(args)
     traced = torch.compile(collectives, fullgraph=True, backend="eager")(*args)
     out = traced["sum"]
     return {
         "compiled": traced,
         "eager": collectives(*args),
         "tied": out["tied"][0] is out["tied"][1],
+        "unchanged": _dist_workers.unchanged(args, snap),  # no input's values or _version
     }
 
 

@@ -164,6 +164,7 @@ def test_compiled_collectives_equal_eager_bitwise(job) -> None:
     for r in ok(job, "collectives_compiled"):
         close(r["compiled"], r["eager"], rtol=0, atol=0)
         assert r["tied"]
+        assert r["unchanged"]
 
 
 def test_mismatch_raises_on_every_rank_when_traced(job) -> None:

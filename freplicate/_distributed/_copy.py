@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .._pack import pack as concatenated
 from .._torch import chunk_cat, is_compiling
 from ._layout import Bucket, Run, valid_rows
 
@@ -35,6 +36,7 @@ def _stacked(part: Part, run: Run) -> torch.Tensor:
     return torch.stack(list(part)) if run.n > 1 else part[0].unsqueeze(0)
 
 
+@torch.no_grad()
 def pack(
     kind: str,
     bucket: Bucket,
@@ -47,18 +49,6 @@ def pack(
 
     Collectives are not differentiable: autograd records nothing of this.
     """
-    with torch.no_grad():
-        _pack(kind, bucket, send, parts, rank, scale)
-
-
-def _pack(
-    kind: str,
-    bucket: Bucket,
-    send: torch.Tensor,
-    parts: Sequence[Part],
-    rank: int,
-    scale: float | None,
-) -> None:
     w = bucket.chunks
     if kind == "reduce":
         # every run's region in one call (a run of one tensor viewed as that tensor)
@@ -105,6 +95,7 @@ def _pack(
             dst[:, valid:].zero_()
 
 
+@torch.no_grad()
 def joined(
     bucket: Bucket,
     parts: Sequence[Part] | None,
@@ -128,12 +119,10 @@ def joined(
     else:
         for part in parts:
             for t in (part,) if isinstance(part, torch.Tensor) else part:
-                flat = t.reshape(-1) if scale is None else (t * scale).reshape(-1)
-                pieces.append(flat.to(comm))
+                pieces.append((t if scale is None else t * scale).to(comm))
     if words is not None:
         pieces.append(words.to(comm))
-    with torch.no_grad():
-        return torch.cat(pieces)
+    return concatenated(pieces)
 
 
 def fill(kind: str, bucket: Bucket, send: torch.Tensor) -> None:
