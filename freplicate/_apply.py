@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import _caches, _torch
+from . import _caches, _torch, _tree
 from ._checks import check_state
 from ._state import State
 
-__all__ = ["apply"]
+__all__ = ["apply", "check_bindable"]
 
 _CALLER = "fr.apply"
 _OWN = ("_parameters", "_buffers", "_modules")
@@ -84,7 +84,8 @@ class _Layout:
     cycle, ``m.child.parent = m``, is walked as ``named_modules()`` walks it).
     A tensor's *canonical* name is its first, as ``fr.state`` gives it;
     ``alias`` maps every name ``named_parameters(remove_duplicate=False)``
-    would give (tied weights, shared submodules, each path once) to it. Holds
+    would give (tied weights, shared submodules, each path once) to it, and
+    ``canonical`` any other path that reaches it (through a cycle). Holds
     names and positions only, never a module: ``named`` is ``_modules(module)``,
     whose positions the slots refer to.
     """
@@ -101,6 +102,15 @@ class _Layout:
         self.buffer_slots = self._slots(modules, "_buffers", canonical)
         self.param_names = frozenset(name for _, _, name in self.param_slots)
         self.buffer_names = list(dict.fromkeys(name for _, _, name in self.buffer_slots))
+        # per module: the key and canonical name of each tensor it holds, and the keys it holds
+        # as None (``nn.Linear(bias=False)``'s bias)
+        self.held: list[dict[str, str]] = [{} for _ in modules]
+        for i, key, name in (*self.param_slots, *self.buffer_slots):
+            self.held[i][key] = name
+        self.empty = [
+            {k for k, t in (*m._parameters.items(), *m._buffers.items()) if t is None}
+            for m in modules
+        ]
         self.alias = self._every_name()
 
     def _slots(self, modules: list[nn.Module], kind: str, canonical: dict[int, str]) -> list[_Slot]:
@@ -113,19 +123,55 @@ class _Layout:
 
     def _every_name(self) -> dict[str, str]:
         """Every name of every tensor: one per path from the root that repeats no module."""
-        held: list[list[tuple[str, str]]] = [[] for _ in self.prefixes]
-        for i, key, name in (*self.param_slots, *self.buffer_slots):
-            held[i].append((key, name))
         alias: dict[str, str] = {}
         stack: list[tuple[int, str, tuple[int, ...]]] = [(0, "", (0,))]
         while stack:
             i, prefix, path = stack.pop()
-            for key, name in held[i]:
+            for key, name in self.held[i].items():
                 alias[prefix + key] = name
             for key, j in self.children[i]:
                 if j not in path:
                     stack.append((j, f"{prefix}{key}.", (*path, j)))
         return alias
+
+    def _slot(self, name: str) -> tuple[int, str] | None:
+        """``(module index, key)`` that the path ``name`` reaches, walked as ``functional_call`` walks it."""
+        *path, key = name.split(".")
+        i = 0
+        for part in path:
+            child = next((j for k, j in self.children[i] if k == part), None)
+            if child is None:
+                return None
+            i = child
+        return i, key
+
+    def canonical(self, name: str) -> str | None:
+        """The canonical name of the tensor ``name`` reaches, or ``None`` if it reaches none.
+
+        Beyond ``alias``, a path through a cycle (``child.parent.head.weight``
+        in a module whose child refers back to it) reaches the tensor at its
+        end, as in ``functional_call``.
+        """
+        found = self.alias.get(name)
+        if found is None and "." in name:
+            slot = self._slot(name)
+            if slot is not None:
+                found = self.held[slot[0]].get(slot[1])
+        return found
+
+    def unknown(self, what: str, names: list[str]) -> KeyError:
+        """The error for names in ``state.<what>`` that reach no tensor of the module."""
+        slot = self._slot(names[0])
+        if slot is not None and slot[1] in self.empty[slot[0]]:
+            return KeyError(
+                f"{_CALLER}: state.{what} has {names[0]!r}, which the module holds as None (as "
+                "nn.Linear(bias=False) holds its bias), so no tensor of its can be bound there; "
+                "leave the name out"
+            )
+        return KeyError(
+            f"{_CALLER}: state.{what} has {names[0]!r}, which the module does not have"
+            + (f" (nor {names[1:]!r})" if len(names) > 1 else "")
+        )
 
 
 def _resolve(
@@ -145,18 +191,22 @@ def _resolve(
             + (f" (and {both[1:]!r})" if len(both) > 1 else "")
             + "; give each name once"
         )
+    names: dict[str, str] = {}  # given name -> canonical name
     for what, given in (("params", params), ("buffers", buffers)):
-        unknown = [k for k in given if k not in layout.alias]
+        unknown = []
+        for k in given:
+            name = layout.canonical(k)
+            if name is None:
+                unknown.append(k)
+            else:
+                names[k] = name
         if unknown:
-            raise KeyError(
-                f"{_CALLER}: state.{what} has {unknown[0]!r}, which the module does not have"
-                + (f" (nor {unknown[1:]!r})" if len(unknown) > 1 else "")
-            )
+            raise layout.unknown(what, unknown)
     values: dict[str, Any] = {}
     given_as: dict[str, tuple[str, str]] = {}  # canonical name -> (dict, name) that gave it
     for what, given in (("params", params), ("buffers", buffers)):
         for k, v in given.items():
-            name = layout.alias[k]
+            name = names[k]
             if name in values and values[name] is not v:
                 first_what, first = given_as[name]
                 where = (
@@ -180,7 +230,7 @@ def _returned_buffers(
         return new
     ordered = {}
     for k in buffers:
-        name = layout.alias.get(k)
+        name = layout.canonical(k)
         if name in new:
             ordered[name] = new[name]
     for name in layout.buffer_names:
@@ -342,28 +392,26 @@ def _bind(
     dicts: list[dict[str, Any]],
     values: Mapping[str, Any],
     buffer_values: Mapping[str, Any],
-) -> tuple[Callable[..., Any], list[dict[str, Any]]]:
-    """New copies of the plan's modules with the state bound: the call, and each copy's buffers.
+) -> tuple[list[nn.Module], list[dict[str, Any]]]:
+    """New copies of the plan's modules with the state bound (the call's first), and their buffers.
 
     ``values`` and ``buffer_values`` map canonical names to the parameters'
-    and the buffers' tensors (one dict for both, once resolved); a name
-    they lack keeps the module's own tensor (a buffer: a clone of it, as
-    every buffer is cloned).
+    and the buffers' tensors (one dict for both, once resolved), or to
+    ``None``, bound as it is; a name they lack keeps the module's own tensor
+    (a buffer: a clone of it, as every buffer is cloned).
     """
     copies = [cls.__new__(cls) for cls in plan.classes]
     params = [p.copy() for p in plan.param_dicts]  # the originals' as they are (just checked)
     for k, key, name in plan.param_slots:
-        value = values.get(name)
-        if value is not None:
-            params[k][key] = value
+        if name in values:
+            params[k][key] = values[name]
     buffers = [b.copy() for b in plan.buffer_dicts]
-    clones: dict[str, torch.Tensor] = {}
+    clones: dict[str, torch.Tensor | None] = {}
     for k, key, name in plan.buffer_slots:
-        clone = clones.get(name)
-        if clone is None:
-            value = buffer_values.get(name)
-            clone = clones[name] = (buffers[k][key] if value is None else value).clone()
-        buffers[k][key] = clone
+        if name not in clones:
+            value = buffer_values[name] if name in buffer_values else buffers[k][key]
+            clones[name] = None if value is None else value.clone()
+        buffers[k][key] = clones[name]
     for copy, d, p, b, kids in zip(copies, dicts, params, buffers, plan.kids):
         children = d["_modules"].copy()
         for key, j in kids:
@@ -387,7 +435,7 @@ def _bind(
         if k in plan.parents:
             parent, key = plan.parents[k]
             copies[parent].__dict__["_modules"][key] = wrapper
-    return copies[0], buffers
+    return copies, buffers
 
 
 def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tuple[Any, State]:
@@ -399,7 +447,10 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     cloned before the forward, and their values after it (updated in place,
     as BatchNorm's statistics, or reassigned, ``self.avg = ...``) come back
     in ``new_state.buffers``; ``new_state.params`` is ``state.params``.
-    Names missing from ``state`` fall back to the module's own tensors. The
+    Names missing from ``state`` fall back to the module's own tensors; a
+    ``None`` in it is bound as it is (a Linear given ``bias=None`` computes
+    without its bias), and a module the forward returns (``return self``)
+    comes back as the module itself, both as in ``functional_call``. The
     same holds, with the same errors, while ``torch.compile`` traces the
     call (it traces as ``functional_call``, without a graph break): the
     contract, mode by mode, is the table in docs/apply.md.
@@ -412,9 +463,10 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
 
     Args:
         module: the module whose forward runs; never modified.
-        state: an ``fr.State(params, buffers)``: dicts of tensors keyed by
-            qualified name (tied names may be given under any of their names;
-            which of the two dicts holds a name does not matter).
+        state: an ``fr.State(params, buffers)``: dicts of tensors (or
+            ``None``) keyed by qualified name (tied names may be given under
+            any of their names, a name through a cycle of modules too; which of
+            the two dicts holds a name does not matter).
         *args: positional arguments of the forward.
         **kwargs: keyword arguments of the forward.
 
@@ -428,7 +480,8 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
             module, or sets ``forward`` (or a wrapper of its own method) on
             the module object; ``state`` is not a ``State`` of dicts of tensors
             (the message names the bad entry).
-        KeyError: ``state`` names a tensor the module does not have.
+        KeyError: ``state`` names a tensor the module does not have (or
+            holds as ``None``, as ``nn.Linear(bias=False)`` its bias).
         ValueError: a name is in both ``state.params`` and ``state.buffers``,
             or two tied names are given different tensors.
 
@@ -463,15 +516,42 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
             plan, dicts = _plan(module, fresh=True)
             values = buffer_values = _resolve(plan.layout, params, buffers)
     try:
-        call, buffer_dicts = _bind(plan, dicts, values, buffer_values)
+        copies, buffer_dicts = _bind(plan, dicts, values, buffer_values)
         del dicts
-        out = call(*args, **kwargs)
+        out = copies[0](*args, **kwargs)
     except Exception:
-        check_state(_CALLER, state)  # a non-tensor in the state: say so, not torch
+        check_bindable(_CALLER, state)  # a non-tensor in the state: say so, not torch
         raise
+    if type(out) is not torch.Tensor:
+        out = _as_functional_call_returns(out, copies, plan)
     # a forward may rebind a buffer (``self.avg = new``): read them where they are now
     new = {name: buffer_dicts[k][key] for k, key, name in plan.buffer_slots}
     return out, State(params, _returned_buffers(plan.layout, buffers, new))
+
+
+def _as_functional_call_returns(out: Any, copies: list[nn.Module], plan: _Plan) -> Any:
+    """``out`` with the call's copies in it (``return self.block``) replaced by their originals.
+
+    ``functional_call``, and so the traced binding, returns the module
+    itself, which holds its own tensors again after the call.
+    """
+    leaves, spec = _tree.flatten_containers(out)
+    if not any(isinstance(x, nn.Module) for x in leaves):
+        return out
+    originals = {id(c): ref() for c, ref in zip(copies, plan.refs)}
+    return _tree.unflatten_containers(spec, [originals.get(id(x), x) for x in leaves], _CALLER)
+
+
+def check_bindable(caller: str, state: Any) -> None:
+    """``check_state`` for a state ``apply`` binds, whose entries may be ``None`` too.
+
+    >>> check_bindable("fr.apply", fr.State({"bias": None}, {"n": 2.0}))
+    Traceback (most recent call last):
+    ...
+    TypeError: fr.apply: state.buffers['n'] must be a tensor, got a float (2.0)
+    """
+    check_state(caller, state, entries=False)
+    check_state(caller, tuple({k: v for k, v in d.items() if v is not None} for d in state))
 
 
 # --- the traced binding
@@ -488,7 +568,7 @@ def _traced(
     to a shared submodule, swaps it once per path and restores it once per
     path, and so leaves the module holding the state's tensors.
     """
-    check_state(_CALLER, (params, buffers))
+    check_bindable(_CALLER, (params, buffers))
     named = _modules(module)
     layout = _Layout(named)
     values = _resolve(layout, params, buffers)
@@ -496,12 +576,11 @@ def _traced(
     for i, key, name in layout.param_slots:
         if name in values:
             bound[layout.prefixes[i] + key] = values[name]
-    clones: dict[str, torch.Tensor] = {}
+    clones: dict[str, torch.Tensor | None] = {}
     for i, key, name in layout.buffer_slots:
         if name not in clones:
-            given = values.get(name)
-            own: Any = named[i][1]._buffers[key]  # not None: a slot holds a tensor
-            clones[name] = (own if given is None else given).clone()
+            value = values[name] if name in values else named[i][1]._buffers[key]
+            clones[name] = None if value is None else value.clone()
         bound[layout.prefixes[i] + key] = clones[name]
     out = torch.func.functional_call(module, bound, args, kwargs, tie_weights=False)
     # functional_call writes a buffer the forward reassigned back into ``bound``

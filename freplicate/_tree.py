@@ -8,6 +8,7 @@ error message: ``['layer1']['weight']``, ``[0].field``.
 
 from __future__ import annotations
 
+import dataclasses as _dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from itertools import repeat
@@ -18,13 +19,17 @@ import torch
 from optree import PyTreeSpec
 
 __all__ = [
+    "CONTAINERS",
     "NAMESPACE",
     "LazyPaths",
     "PyTreeSpec",
+    "RebuildError",
     "alias_groups",
     "describe",
+    "first_container_difference",
     "first_difference",
     "flatten",
+    "flatten_containers",
     "flatten_in_order",
     "path_str",
     "paths_of",
@@ -33,6 +38,7 @@ __all__ = [
     "structure_difference",
     "tensor_values",
     "unflatten",
+    "unflatten_containers",
 ]
 
 
@@ -267,3 +273,215 @@ class LazyPaths(Sequence[str]):
             every = paths_of(self._spec)
             self._paths = every if self._unique is None else [every[j] for j in self._unique]
         return self._paths[i]
+
+
+# --- containers optree keeps whole, seen inside as nn.parallel's scatter and gather see them
+
+# optree treats a dict, list or tuple *subclass* it does not know (a transformers
+# ``ModelOutput``) and a dataclass as leaves, where nn.parallel's scatter and gather
+# look inside them. In this namespace such a container is flattened through a
+# stand-in node (``_Wrapped``, ``_Fields``) whose unflattening builds the
+# container's own type again; nothing is registered for the user's types.
+CONTAINERS = "freplicate.containers"
+
+
+class RebuildError(TypeError):
+    """A container of a user's tree whose constructor refused its new values.
+
+    ``message(caller, rename)`` is the error a public function raises,
+    naming the container's path as ``rename`` shows it.
+    """
+
+    def __init__(self, cls: type, path: str, call: str, err: Exception, advice: str) -> None:
+        self.cls, self.path = cls, path
+        self.detail = f"{call} raised {type(err).__name__}: {err}; {advice}"
+        super().__init__(self.message("freplicate"))
+
+    def message(self, caller: str, rename: Callable[[str], str] | None = None) -> str:
+        path = self.path or "<root>"
+        if rename is not None:
+            path = rename(path)
+        return (
+            f"{caller}: cannot rebuild the {self.cls.__name__} at {path} with new values: "
+            f"{self.detail}"
+        )
+
+
+class _Through(optree.PyTreeEntry):
+    """The entry of a stand-in's one child: it adds nothing to a path (``['logits']``)."""
+
+    __slots__ = ()
+
+    def __call__(self, obj: Any, /) -> Any:
+        return obj.child
+
+    def codify(self, /, node: str = "") -> str:
+        return node
+
+
+class _Wrapped:
+    """A dict, list or tuple subclass as a node: its type, and its items as a plain dict or list."""
+
+    __slots__ = ("child", "meta")
+
+    def __init__(self, x: Any, path: str, child: Any) -> None:
+        self.child = child
+        if isinstance(child, dict):
+            try:  # keys in any order are one structure, as a plain dict's are
+                keys: Any = tuple(sorted(child))
+            except TypeError:
+                keys = tuple(child)
+        else:
+            keys = len(child)
+        self.meta = (type(x), path, keys)
+
+
+def _rebuild_wrapped(meta: tuple[type, str, Any], children: Sequence[Any]) -> Any:
+    cls, path, _ = meta
+    (child,) = children
+    mapping = isinstance(child, dict)
+    try:  # nn.parallel.gather's type(out)((k, v) for k in out) and type(out)(values)
+        return cls(child.items()) if mapping else cls(child)
+    except Exception as err:
+        call, takes = (
+            (f"{cls.__name__}(pairs)", "(key, value) pairs, as dict's does")
+            if mapping
+            else (f"{cls.__name__}(values)", "one iterable of values, as list's does")
+        )
+        raise RebuildError(
+            cls, path, call, err, f"give it a constructor that takes {takes}"
+        ) from err
+
+
+class _Fields:
+    """A dataclass instance as a node: its type and the values of its ``init`` fields."""
+
+    __slots__ = ("meta", "values")
+
+    def __init__(self, x: Any, path: str, names: tuple[str, ...], values: list[Any]) -> None:
+        self.meta = (type(x), path, names)
+        self.values = values
+
+
+def _rebuild_fields(meta: tuple[type, str, tuple[str, ...]], values: Sequence[Any]) -> Any:
+    cls, path, names = meta
+    try:
+        return cls(**dict(zip(names, values)))
+    except Exception as err:
+        advice = "its __init__ must take every init field as a keyword, as the generated one does"
+        raise RebuildError(cls, path, f"{cls.__name__}(**fields)", err, advice) from err
+
+
+_register: Any = optree.register_pytree_node  # typed for collections, which the stand-ins are not
+_register(
+    _Wrapped,
+    lambda w: ((w.child,), w.meta, (0,)),
+    _rebuild_wrapped,
+    path_entry_type=_Through,
+    namespace=CONTAINERS,
+)
+_register(
+    _Fields,
+    lambda f: (f.values, f.meta, f.meta[2]),
+    _rebuild_fields,
+    path_entry_type=optree.GetAttrEntry,
+    namespace=CONTAINERS,
+)
+
+
+def _container(x: Any, dataclasses: bool) -> bool:
+    cls = type(x)
+    if issubclass(cls, torch.Tensor):
+        return False
+    if issubclass(cls, (dict, list, tuple)):
+        return cls is not torch.Size  # a shape is a value: nn.parallel.gather cannot join one
+    return dataclasses and _dataclasses.is_dataclass(cls)
+
+
+def _with_stand_ins(tree: Any, dataclasses: bool, prefix: str) -> Any:
+    accessors, leaves, spec = optree.tree_flatten_with_accessor(tree, namespace=CONTAINERS)
+    for i, x in enumerate(leaves):
+        if not _container(x, dataclasses):
+            continue
+        path = prefix + accessors[i].codify("")
+        if isinstance(x, dict) or not _dataclasses.is_dataclass(x):
+            child = _with_stand_ins(dict(x) if isinstance(x, dict) else list(x), dataclasses, path)
+            leaves[i] = _Wrapped(x, path, child)
+        else:
+            names = tuple(f.name for f in _dataclasses.fields(x) if f.init)
+            values = [_with_stand_ins(getattr(x, n), dataclasses, f"{path}.{n}") for n in names]
+            leaves[i] = _Fields(x, path, names, values)
+    return optree.tree_unflatten(spec, leaves)
+
+
+def flatten_containers(tree: Any, *, dataclasses: bool = True) -> tuple[list[Any], PyTreeSpec]:
+    """Flatten ``tree`` looking inside the containers optree keeps whole, as ``nn.parallel`` does.
+
+    A dict subclass (a ``ModelOutput``), a list or tuple subclass and, with
+    ``dataclasses``, a dataclass instance are nodes, not leaves; unflattening
+    builds each with its own type again, as ``nn.parallel.gather`` does:
+    ``cls(pairs)``, ``cls(values)``, ``cls(**init_fields)`` (a constructor
+    that refuses raises ``RebuildError``). ``torch.Size`` stays a leaf. Dicts
+    and dict subclasses flatten in sorted key order (any order is one
+    structure); paths read ``['logits']``, ``[0]``, ``.field``.
+
+    >>> from collections import OrderedDict
+    >>> class Output(OrderedDict): pass
+    >>> leaves, spec = flatten_containers([Output(b=1, a=torch.ones(1)), 3])
+    >>> leaves, paths_of(spec)
+    ([tensor([1.]), 1, 3], ["[0]['a']", "[0]['b']", '[1]'])
+    >>> unflatten(spec, [2, 1, 3])
+    [Output([('b', 1), ('a', 2)]), 3]
+    """
+    leaves, spec = optree.tree_flatten(tree, namespace=CONTAINERS)
+    if all(map(isinstance, leaves, repeat(torch.Tensor, len(leaves)))) or not any(
+        _container(x, dataclasses) for x in leaves
+    ):
+        return leaves, spec
+    leaves, spec = optree.tree_flatten(_with_stand_ins(tree, dataclasses, ""), namespace=CONTAINERS)
+    return leaves, spec
+
+
+def unflatten_containers(
+    spec: PyTreeSpec, leaves: Sequence[Any], caller: str, rename: Callable[[str], str] | None = None
+) -> Any:
+    """``unflatten`` for a spec of ``flatten_containers``: a container whose constructor
+    refuses its new values raises ``TypeError`` naming ``caller`` and its path (as ``rename``
+    shows it)."""
+    try:
+        return optree.tree_unflatten(spec, leaves)
+    except RebuildError as err:
+        raise TypeError(err.message(caller, rename)) from err.__cause__
+
+
+def _describe_stand_in(node: Any) -> str:
+    if isinstance(node, _Wrapped):
+        cls, _, keys = node.meta
+        shape = f"of {keys}" if isinstance(keys, int) else f"with keys {tuple(node.child)}"
+        return f"{cls.__name__} {shape}"
+    if isinstance(node, _Fields):
+        return f"{node.meta[0].__name__} with fields {node.meta[2]}"
+    return describe(node)
+
+
+def first_container_difference(
+    specs: Sequence[PyTreeSpec],
+    trees: Sequence[Any],
+    what: str = "tree",
+    *,
+    dataclasses: bool = True,
+) -> str | None:
+    """``first_difference`` for specs of ``flatten_containers(dataclasses=dataclasses)``.
+
+    >>> from collections import OrderedDict
+    >>> class Output(OrderedDict): pass
+    >>> trees = [Output(a=1), Output(a=1, b=2)]
+    >>> first_container_difference([flatten_containers(t)[1] for t in trees], trees)
+    "trees differ at the root: Output with keys ('a',) in tree 0, Output with keys ('a', 'b') in tree 1"
+    """
+    for j in range(1, len(specs)):
+        if specs[j] != specs[0]:
+            a, b = (_with_stand_ins(trees[k], dataclasses, "") for k in (0, j))
+            at, mine, theirs = structure_difference(a, b, _describe_stand_in, namespace=CONTAINERS)
+            return f"{what}s differ at {at}: {mine} in {what} 0, {theirs} in {what} {j}"
+    return None

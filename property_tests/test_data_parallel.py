@@ -3,7 +3,8 @@
 The oracle for ``data_parallel`` is ``fr.testing.check_against_stateful``
 (per-replica deep copies driven through autograd as DataParallel drives its
 replicas, or ``nn.DataParallel`` itself on distinct CUDA devices), over random
-modules, batches (smaller than the device list included) and device lists.
+modules, batches (smaller than the device list included), device lists, and
+inputs and outputs in every kind of container.
 The oracle for ``data_parallel_grad`` is DDP's arithmetic done by hand:
 ``torch.func.grad_and_value`` on each shard, gradients averaged (or summed)
 over the shards.
@@ -14,14 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 import optree
+import pytest
 import torch
 import torch.func
-from _property_support import Unchanged
+from _property_support import Unchanged, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
 from freplicate.testing import assert_trees_close, check_against_stateful, devices, modules
+from freplicate.testing._strategies import CONTAINER_KINDS, Outputs, contain
 
 
 @given(modules(dtypes=(torch.float32, torch.float64)), devices(), st.data())
@@ -30,6 +33,29 @@ def test_data_parallel_equals_the_stateful_oracle(
 ):
     module, inputs = pair
     check_against_stateful(module, data.draw(inputs, label="inputs"), devs)
+
+
+# every kind its share of the examples (a drawn kind would leave some out of a derandomized run)
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+@examples(0.25)
+@given(
+    st.integers(1, 4),
+    st.integers(1, 4),
+    st.integers(1, 5),
+    st.sampled_from([torch.float32, torch.float64]),
+    devices(),
+    st.integers(0, 2**16),
+)
+def test_data_parallel_scatters_and_gathers_every_container_as_the_stateful_oracle(
+    kind: str, n: int, m: int, batch: int, dtype: torch.dtype, devs: list[str], seed: int
+):
+    # the "outputs" kind of fr.testing.modules(): its input and output in a dict, OrderedDict,
+    # ModelOutput, NamedTuple, dataclass, list, tuple or list subclass, as nn.parallel splits
+    # and joins each (a dataclass input is shared whole), types kept
+    torch.manual_seed(seed)
+    module = Outputs(n, m, kind).to(dtype)
+    x = torch.randn(batch, n, dtype=dtype)
+    check_against_stateful(module, (contain(kind, x, -0.5),), devs)
 
 
 @given(modules(kinds=["batchnorm", "conv", "buffers"], training=True), devices(), st.data())

@@ -1,4 +1,9 @@
-"""``fr.scatter`` and ``fr.gather``: cut as ``torch.chunk`` does, and gather undoes scatter."""
+"""``fr.scatter`` and ``fr.gather``: cut as ``torch.chunk`` does, and gather undoes scatter.
+
+Containers that optree keeps whole (a ``ModelOutput``, a dataclass, a list
+subclass) are taken apart and joined as ``nn.parallel``'s scatter and gather
+do: the reference is ``fr.testing``'s oracle, which follows their recursion.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import freplicate as fr
-from freplicate.testing import assert_trees_close, devices, trees
-from freplicate.testing._strategies import FLOAT_DTYPES
+from freplicate import _tree
+from freplicate.testing import _oracle, assert_trees_close, devices, trees
+from freplicate.testing._strategies import FLOAT_DTYPES, Items
 
 batched = st.integers(0, 6).flatmap(lambda b: trees(batch_size=b, max_leaves=5))
 
@@ -152,3 +158,56 @@ def test_leaves_of_different_lengths_give_the_fewest_chunks(tree: Any, devs: lis
 
 def _is_0_dim(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.dim() == 0
+
+
+# --- containers optree keeps whole: a ModelOutput, a dataclass, a list subclass
+
+with_containers = st.integers(0, 6).flatmap(
+    lambda b: trees(batch_size=b, max_leaves=5, containers=True)
+)
+
+
+def _as_scattered(tree: Any) -> Any:
+    """``tree`` opened (``_oracle._opened``), each list subclass as the plain list that
+    ``nn.parallel.scatter`` makes of it (``fr.scatter`` keeps the type)."""
+
+    def items(x: Any) -> bool:
+        return isinstance(x, _oracle.Container) and x.type is Items
+
+    def plain(x: Any) -> Any:
+        return optree.tree_map(lambda y: plain(y.contents) if items(y) else y, x, is_leaf=items)
+
+    return plain(_oracle._opened(tree))
+
+
+@given(with_containers, devices())
+def test_scatter_takes_containers_apart_as_nn_parallel_scatter(tree: Any, devs: list[str]):
+    unchanged = Unchanged(_tree.flatten_containers(tree)[0])
+    shards = fr.scatter(tree, devs)
+    unchanged.check("fr.scatter")
+    expected = _oracle._scatter(tree, [torch.device(d) for d in devs])
+    assert len(shards) == len(expected)
+    leaves, spec = _tree.flatten_containers(tree, dataclasses=False)
+    for shard, theirs in zip(shards, expected):
+        assert_trees_close(_as_scattered(shard), _as_scattered(theirs), rtol=0, atol=0)
+        # every container keeps its type; dataclasses and non-tensor leaves are shared
+        mine, shard_spec = _tree.flatten_containers(shard, dataclasses=False)
+        assert shard_spec == spec
+        assert all(m is x for m, x in zip(mine, leaves) if not isinstance(x, torch.Tensor))
+
+
+@given(trees(max_leaves=5, containers=True), devices(), st.integers(0, 2**16))
+def test_gather_joins_containers_as_nn_parallel_gather_keeping_their_types(
+    tree: Any, devs: list[str], seed: int
+):
+    replicas = [
+        _tree.unflatten(spec, refill(leaves, seed + i, d))
+        for i, d in enumerate(devs)
+        for leaves, spec in [_tree.flatten_containers(tree)]
+    ]
+    unchanged = Unchanged([_tree.flatten_containers(r)[0] for r in replicas])
+    out = fr.gather(replicas, devs[0])
+    unchanged.check("fr.gather")
+    # nn.parallel.gather's recursion, with fr.gather's rule where it raises (dataclasses, other leaves)
+    expected = _oracle._gather(replicas, torch.device(devs[0]))
+    assert_trees_close(_oracle._opened(out), _oracle._opened(expected), rtol=0, atol=0)

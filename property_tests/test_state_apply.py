@@ -84,3 +84,23 @@ def test_concurrent_applies_each_see_their_own_state(
         w.join(timeout=60)
     for g, e in zip(got, expected):
         assert_trees_close(g, e)
+
+
+@given(modules(kinds=KINDS, dtypes=(torch.float32, torch.float64)), st.data())
+def test_none_in_the_state_is_bound_as_functional_call_binds_it(
+    pair: tuple[torch.nn.Module, Any], data: st.DataObject
+):
+    module, inputs = pair
+    args, kwargs = _split(data.draw(inputs, label="inputs"))
+    s = fr.state(module)
+    biases = [k for k in s.params if k.endswith("bias")]  # what a forward computes without
+    dropped = (
+        data.draw(st.lists(st.sampled_from(biases), unique=True), label="None") if biases else []
+    )
+    params = {k: None if k in dropped else v for k, v in s.params.items()}
+    out, new = fr.apply(module, fr.State(params, s.buffers), *args, **kwargs)  # type: ignore[arg-type]
+    given = {**params, **{k: v.clone() for k, v in s.buffers.items()}}
+    # on a copy: functional_call may leave a shared submodule holding what it was given
+    expected = torch.func.functional_call(copy.deepcopy(module), given, args, kwargs)
+    assert_trees_close(out, expected)
+    assert_trees_close(new.buffers, {k: given[k] for k in s.buffers})

@@ -27,6 +27,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounter
 
 import freplicate as fr
+from freplicate.testing._strategies import Output
 
 MODES = ["eager", "compiled"]
 
@@ -443,3 +444,128 @@ def test_a_parametrized_module_binds_the_parametrization_s_tensors(mode: str) ->
     out, _ = run(mode, m, s, X)
     torch.testing.assert_close(out, torch.func.functional_call(m, s.params, (X,)))
     torch.testing.assert_close(out, holding(m, s.params)(X))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_none_in_the_state_is_bound_as_functional_call_binds_it(mode: str) -> None:
+    m = build(Net)
+    s = shifted(m)
+    # a Linear without its bias, a BatchNorm normalising by the batch's statistics
+    params = {**s.params, "lin.bias": None}
+    buffers = {**s.buffers, "bn.running_mean": None, "bn.running_var": None}
+    state = fr.State(params, buffers)  # type: ignore[arg-type]
+    guard = snapshot(s, tensors_of(m))
+    out, new = run(mode, m, state, X)
+    unchanged(guard)
+    given = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in buffers.items()}
+    torch.testing.assert_close(out, torch.func.functional_call(m, {**params, **given}, (X,)))
+    oracle = holding(m, {k: v for k, v in {**params, **buffers}.items() if v is not None})
+    oracle.lin.bias = None
+    oracle.bn.running_mean = oracle.bn.running_var = None
+    torch.testing.assert_close(out, oracle(X))
+    assert new.params is params
+    assert new.buffers["bn.running_mean"] is None and new.buffers["bn.running_var"] is None
+    assert int(new.buffers["bn.num_batches_tracked"]) == int(oracle.bn.num_batches_tracked)
+    assert m.lin.bias is not None and m.bn.running_mean is not None  # the module is left alone
+    # and again from the new state: None stays bound
+    torch.testing.assert_close(run(mode, m, new, X)[0], oracle(X))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_gradients_flow_past_a_none_in_the_state(mode: str) -> None:
+    m = build(Net).eval()
+    s = shifted(m)
+    leaves = {k: v.clone().requires_grad_() for k, v in s.params.items() if k != "lin.bias"}
+    out, _ = run(mode, m, fr.State({**leaves, "lin.bias": None}, s.buffers), X)  # type: ignore[dict-item]
+    out.square().mean().backward()
+    oracle = holding(m, {**leaves, **s.buffers})
+    oracle.lin.bias = None
+    oracle(X).square().mean().backward()
+    for k, p in oracle.named_parameters():
+        torch.testing.assert_close(leaves[k].grad, p.grad, msg=k)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_name_the_module_holds_as_none_is_a_key_error_saying_so(mode: str) -> None:
+    m = nn.Sequential(nn.Linear(3, 2, bias=False))
+    w = fr.state(m).params["0.weight"]
+    for value in (torch.ones(2), None):
+        with raises(
+            mode,
+            KeyError,
+            r"fr\.apply: state\.params has '0\.bias', which the module holds as None .*"
+            r"leave the name out",
+        ):
+            run(mode, m, fr.State({"0.weight": w, "0.bias": value}, {}), X)  # type: ignore[dict-item]
+    # functional_call sets the tensor there: a bias the module does not have
+    with_bias = torch.func.functional_call(m, {"0.bias": torch.ones(2)}, (X,))
+    torch.testing.assert_close(with_bias, m(X) + 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_names_through_a_cycle_reach_the_tensor_at_their_end(mode: str) -> None:
+    m = build(Cyclic)
+    s = shifted(m)
+    through = {
+        "child.parent.head.weight": s.params["head.weight"],
+        "child.parent.child.lin.bias": s.params["child.lin.bias"],
+    }
+    out, _ = run(mode, m, fr.State(through, {}), X)
+    want = holding(
+        m, {"head.weight": s.params["head.weight"], "child.lin.bias": s.params["child.lin.bias"]}
+    )
+    torch.testing.assert_close(out, want(X))
+    torch.testing.assert_close(out, torch.func.functional_call(m, through, (X,), tie_weights=False))
+    with raises(
+        mode,
+        ValueError,
+        r"different tensors for the tied names 'child\.parent\.head\.weight' and 'head\.weight'",
+    ):
+        run(mode, m, fr.State({**through, "head.weight": s.params["head.weight"] + 1}, {}), X)
+    with raises(mode, KeyError, r"state\.params has 'child\.parent\.nothing\.weight', which"):
+        run(mode, m, fr.State({"child.parent.nothing.weight": torch.ones(1)}, {}), X)
+
+
+class Members(nn.Module):
+    """A forward that returns members of the module beside its output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bn = nn.BatchNorm1d(3)
+
+    def forward(self, x: torch.Tensor, what: str) -> Any:
+        y = self.bn(self.lin(x))
+        member = {
+            "parameter": lambda: self.lin.weight,
+            "buffer": lambda: self.bn.running_mean,
+            "submodule": lambda: self.lin,
+            "module": lambda: self,
+            "in a container": lambda: Output(logits=y, hidden=[self.bn]),
+        }[what]()
+        return y, member
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("what", ["parameter", "buffer", "submodule", "module", "in a container"])
+def test_members_returned_from_forward_are_what_functional_call_returns(
+    mode: str, what: str
+) -> None:
+    m = build(Members)
+    s = shifted(m)
+    own = tensors_of(m)
+    out, new = run(mode, m, s, X, what)
+    given = {**s.params, **{k: v.clone() for k, v in s.buffers.items()}}
+    theirs = torch.func.functional_call(m, given, (X, what))
+    torch.testing.assert_close(out[0], theirs[0])
+    member = out[1]
+    if what == "parameter":  # the state's tensor
+        assert member is s.params["lin.weight"] and theirs[1] is given["lin.weight"]
+    elif what == "buffer":  # its value after the forward: the new state's tensor
+        assert member is new.buffers["bn.running_mean"]
+        torch.testing.assert_close(member, theirs[1])
+    elif what == "in a container":  # the module itself, as functional_call returns it
+        assert type(member) is Output and member.hidden[0] is m.bn is theirs[1].hidden[0]
+    else:  # the module itself, holding its own tensors again, as functional_call returns it
+        assert member is theirs[1] is (m.lin if what == "submodule" else m)
+    assert all(t is own[k] for k, t in tensors_of(m).items())

@@ -9,21 +9,30 @@ available. Every call is also checked to leave its inputs unchanged.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import dataclasses
 import importlib.util
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
+from unittest import mock
 
 import optree
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel._functions import Gather, Scatter
+from torch.nn.parallel.scatter_gather import gather, scatter
 
 import freplicate as fr
+from freplicate import _tree
+from freplicate.testing import check_against_stateful
+from freplicate.testing._strategies import CONTAINER_KINDS, Items, Output, Record, contain
 
 _spec = importlib.util.spec_from_file_location("_oracles", Path(__file__).with_name("_oracles.py"))
 assert _spec is not None and _spec.loader is not None
@@ -250,6 +259,250 @@ def test_gather_rejects_bad_input() -> None:
         fr.gather([], "cpu")
     with pytest.raises(ValueError, match=r"fr\.gather: device is not a device"):
         fr.gather([t], "gpu")
+
+
+# --------------------------------------------------------------------------- containers optree keeps whole
+
+
+@contextlib.contextmanager
+def nn_parallel_on_cpu() -> Iterator[None]:
+    """``nn.parallel.scatter`` and ``gather``'s own code, their CUDA-only copies done on CPU.
+
+    How each container is taken apart and built again is PyTorch's; only
+    ``Scatter`` and ``Gather``, which refuse CPU tensors, become
+    ``torch.chunk`` and ``torch.cat`` (0-dim parts as rows, as ``Gather``).
+    """
+
+    def chunk(devices: Any, streams: Any, dim: int, t: torch.Tensor) -> Any:
+        return t.chunk(len(devices), dim)
+
+    def cat(device: Any, dim: int, *parts: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.view(1) if p.dim() == 0 else p for p in parts], dim)
+
+    with mock.patch.object(Scatter, "apply", chunk), mock.patch.object(Gather, "apply", cat):
+        yield
+
+
+def assert_same_containers(actual: Any, expected: Any) -> None:
+    """Equal trees, looking inside the containers optree keeps whole (their types compared too)."""
+    a_leaves, a_spec = _tree.flatten_containers(actual)
+    e_leaves, e_spec = _tree.flatten_containers(expected)
+    assert a_spec == e_spec, (a_spec, e_spec)
+    assert_trees_close(a_leaves, e_leaves, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+def test_scatter_takes_every_container_apart_as_nn_parallel_scatter(kind: str) -> None:
+    x, y = torch.randn(5, 2), torch.randn(5)
+    tree = (contain(kind, x, "tag"), {"k": contain(kind, y, 2)})
+    snap = snapshot(tree, x, y)
+    got = fr.scatter(tree, ["cpu"] * 3)
+    assert_unchanged(snap)
+    with nn_parallel_on_cpu():
+        expected = scatter(tree, ["cpu"] * 3)
+    assert len(got) == len(expected) == 3
+    for mine, theirs in zip(got, expected):
+        if kind == "list_subclass":
+            # nn.parallel.scatter makes plain lists of it; fr.scatter keeps the type
+            assert type(theirs[0]) is list and type(mine[0]) is Items
+            theirs = (Items(theirs[0]), {"k": Items(theirs[1]["k"])})
+        if kind == "dataclass":  # shared whole by both, not looked into
+            assert mine[0] is theirs[0] is tree[0]
+        assert_same_containers(mine, tuple(theirs))
+
+
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+def test_gather_joins_every_container_as_nn_parallel_gather(kind: str) -> None:
+    outs = [contain(kind, torch.randn(i + 1, 2), torch.tensor(float(i))) for i in range(3)]
+    snap = snapshot(*(_tree.flatten_containers(o)[0] for o in outs))
+    got = fr.gather(outs, "cpu")
+    assert_unchanged(snap)
+    if kind == "dataclass":  # nn.parallel.gather raises; fr.gather joins it field by field
+        with nn_parallel_on_cpu(), pytest.raises(TypeError, match="not iterable"):
+            gather(outs, "cpu")
+        first, second = zip(*((o.first, o.second) for o in outs))
+        expected = Record(torch.cat(first), torch.stack(second))
+    else:
+        with nn_parallel_on_cpu():
+            expected = gather(outs, "cpu")
+    assert type(got) is type(outs[0])
+    assert_same_containers(got, expected)
+
+
+def test_a_model_output_keeps_its_keys_attributes_and_tree_0s_order() -> None:
+    a = Output(loss=torch.tensor(1.0), logits=torch.ones(2, 3), hidden="h")
+    b = Output(loss=torch.tensor(3.0), logits=torch.zeros(1, 3), hidden="h")
+    out = fr.gather([a, b], "cpu")
+    assert list(out) == ["loss", "logits", "hidden"] and out.hidden == "h"
+    assert out.logits is out["logits"] and out.logits.shape == (3, 3)
+    torch.testing.assert_close(out.loss, torch.tensor([1.0, 3.0]))
+
+    class Keyed(dict):  # a dict subclass whose replicas made their keys in other orders
+        pass
+
+    out = fr.gather(
+        [Keyed(b=torch.ones(1), a=torch.ones(1)), Keyed(a=torch.zeros(1), b=torch.ones(1))], "cpu"
+    )
+    assert type(out) is Keyed and list(out) == ["b", "a"]
+    torch.testing.assert_close(out["a"], torch.tensor([1.0, 0.0]))
+
+
+def test_shapes_and_defaultdicts_where_nn_parallel_breaks() -> None:
+    # a torch.Size is a value, not a container: shared by scatter, merged or kept per tree by gather
+    trees = [
+        {"y": torch.ones(2, 3), "s": torch.Size([2, 3])},
+        {"y": torch.ones(1, 3), "s": torch.Size([1, 3])},
+    ]
+    assert fr.gather(trees, "cpu")["s"] == (torch.Size([2, 3]), torch.Size([1, 3]))
+    with nn_parallel_on_cpu(), pytest.raises(TypeError):
+        gather(trees, "cpu")
+    shards = fr.scatter(trees[0], ["cpu", "cpu"])
+    assert all(s["s"] is trees[0]["s"] for s in shards)
+    # a defaultdict keeps its type and factory, where nn.parallel calls defaultdict(pairs)
+    d = collections.defaultdict(list, y=torch.ones(4))
+    shards = fr.scatter(d, ["cpu", "cpu"])
+    out = fr.gather(shards, "cpu")
+    assert type(out) is collections.defaultdict and out.default_factory is list
+    torch.testing.assert_close(out["y"], d["y"])
+    with nn_parallel_on_cpu():
+        for fails in (lambda: scatter(d, ["cpu", "cpu"]), lambda: gather(shards, "cpu")):
+            with pytest.raises(TypeError, match="must be callable"):
+                fails()
+
+
+class Strict(dict):  # type: ignore[type-arg]
+    """A dict subclass whose constructor takes keywords only: neither nn.parallel nor fr can build one."""
+
+    def __init__(self, **items: Any) -> None:
+        super().__init__(**items)
+
+
+def test_containers_that_cannot_be_rebuilt_or_differ_are_named() -> None:
+    t = torch.ones(2)
+    refused = (
+        r"cannot rebuild the Strict at {} with new values: Strict\(pairs\) raised TypeError: .*; "
+        r"give it a constructor that takes \(key, value\) pairs"
+    )
+    with pytest.raises(TypeError, match=r"fr\.gather: " + refused.format(r"\['o'\]")) as err:
+        fr.gather([{"o": Strict(a=t)}, {"o": Strict(a=t)}], "cpu")
+    assert isinstance(err.value.__cause__, TypeError)
+    with pytest.raises(TypeError, match=r"fr\.scatter: " + refused.format(r"\[1\]")):
+        fr.scatter((t, Strict(a=t)), ["cpu", "cpu"])
+    lin = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"fr\.data_parallel: " + refused.format(r"kwargs\['x'\]")):
+        fr.data_parallel(lin, fr.state(lin), devices=["cpu", "cpu"], x=Strict(a=t))
+    step = fr.data_parallel_grad(lambda p, b: (b["a"] * p["w"]).sum(), ["cpu", "cpu"])
+    with pytest.raises(
+        TypeError, match=r"fr\.data_parallel_grad: " + refused.format(r"batch\[0\]")
+    ):
+        step({"w": torch.ones(1)}, Strict(a=t))
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: trees differ at \['o'\]: Output with keys \('logits',\) in tree 0, "
+        r"Record with fields \('first', 'second'\) in tree 1",
+    ):
+        fr.gather([{"o": Output(logits=t)}, {"o": Record(t, t)}], "cpu")
+    with pytest.raises(
+        ValueError,
+        match=r"fr\.gather: trees differ at \[0\]: Output with keys \('logits',\) in tree 0, "
+        r"Output with keys \('loss', 'logits'\) in tree 1",
+    ):
+        fr.gather([[Output(logits=t)], [Output(loss=t, logits=t)]], "cpu")
+
+
+class Classifier(nn.Module):
+    """A model as ``transformers`` writes one: keyword inputs, a ``ModelOutput`` out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh())
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> Output:
+        hidden = self.body(x)
+        logits = self.head(hidden)
+        loss = None if labels is None else F.cross_entropy(logits, labels)
+        return Output(loss=loss, logits=logits, hidden=(hidden,))
+
+
+@pytest.mark.parametrize("devices", DEVICE_LISTS)
+def test_data_parallel_of_a_model_output_model_equals_the_stateful_replicas(
+    devices: list[str],
+) -> None:
+    torch.manual_seed(0)
+    model = Classifier()
+    x, labels = torch.randn(8, 4), torch.randint(0, 3, (8,))  # shards of 2 rows or more: BatchNorm
+    check_against_stateful(model, {"x": x, "labels": labels}, devices)
+    check_against_stateful(model, (x,), devices)
+    out, _ = fr.data_parallel(model, fr.state(model), x=x, labels=labels, devices=devices)
+    assert type(out) is Output and list(out) == ["loss", "logits", "hidden"]
+    assert out.logits.shape == (8, 3) and out.loss.shape == (
+        (len(devices),) if len(devices) > 1 else ()
+    )
+
+
+def test_data_parallel_on_one_device_moves_a_model_output_to_the_output_device() -> None:
+    torch.manual_seed(0)
+    model = Classifier()
+    out, _ = fr.data_parallel(
+        model, fr.state(model), torch.randn(3, 4), devices=["cpu"], output_device="meta"
+    )
+    assert type(out) is Output and out.logits.device.type == "meta"
+    assert out.hidden[0].device.type == "meta" and out.loss is None
+
+
+@pytest.mark.parametrize("how", ["gather", "first", "mean"])
+def test_data_parallel_grad_combines_aux_in_containers(how: str) -> None:
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> Any:
+        y = x @ p["w"]
+        return y.mean(), Output(loss=y.mean(), logits=y, hidden=Record(y.sum(), "r"))
+
+    x = torch.arange(8.0).reshape(4, 2)
+    step = fr.data_parallel_grad(loss_fn, ["cpu", "cpu"], has_aux=True, aux=how)  # type: ignore[arg-type]
+    _, (_, aux) = step({"w": torch.ones(2)}, x)
+    per = [loss_fn({"w": torch.ones(2)}, shard)[1] for shard in x.chunk(2)]
+    assert type(aux) is Output and type(aux.hidden) is Record and aux.hidden.second == "r"
+    if how == "gather":
+        torch.testing.assert_close(aux.logits, x.sum(1))
+        torch.testing.assert_close(aux.hidden.first, torch.stack([o.hidden.first for o in per]))
+    elif how == "first":
+        assert_same_containers(aux, per[0])
+    else:
+        torch.testing.assert_close(aux.loss, (per[0].loss + per[1].loss) / 2)
+        torch.testing.assert_close(
+            aux.hidden.first, (per[0].hidden.first + per[1].hidden.first) / 2
+        )
+
+
+def test_parallel_apply_finds_the_device_inside_a_dict_subclass() -> None:
+    def second_fails(replica: int, out: Output) -> Output:
+        if replica:
+            raise ValueError("no")
+        return out
+
+    inputs = [(Output(logits=torch.ones(1)),), (Output(logits=torch.ones(1)),)]
+    with pytest.raises(ValueError, match=r"fr\.parallel_apply: replica 1 on cpu raised"):
+        fr.parallel_apply(second_fails, [0, 1], inputs)
+
+
+def test_data_parallel_binds_none_in_the_state_on_every_replica() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    params, buffers = fr.state(model)
+    state = fr.State(
+        {**params, "0.bias": None}, {**buffers, "1.running_mean": None, "1.running_var": None}
+    )
+    x = torch.randn(6, 3)
+    for how in ("first", "mean"):
+        out, new = fr.data_parallel(model, state, x, devices=["cpu", "cpu"], buffers=how)  # type: ignore[arg-type]
+        copies = [copy.deepcopy(model) for _ in range(2)]
+        for c in copies:
+            c[0].bias = None
+            c[1].running_mean = c[1].running_var = None
+        torch.testing.assert_close(out, torch.cat([c(s) for c, s in zip(copies, x.chunk(2))]))
+        assert new.buffers["1.running_mean"] is None and new.buffers["1.running_var"] is None
+        assert int(new.buffers["1.num_batches_tracked"]) == 1
+    assert model[0].bias is not None
 
 
 # --------------------------------------------------------------------------- parallel_apply
@@ -1043,8 +1296,8 @@ def test_data_parallel_grad_rejects_bad_replicated_and_aux() -> None:
     step = fr.data_parallel_grad(uneven, ["cpu", "cpu"], has_aux=True, aux="mean")
     with pytest.raises(
         ValueError,
-        match=r"fr\.data_parallel_grad: aux='mean' needs the replicas' aux of one structure; they "
-        r"differ at the root: dict with keys \('a',\) in replica 0, list of 1 in replica 1",
+        match=r"fr\.data_parallel_grad: aux='mean' needs the replicas' aux of one structure; "
+        r"replicas differ at the root: dict with keys \('a',\) in replica 0, list of 1 in replica 1",
     ):
         step({"w": torch.ones(2)}, torch.tensor([[1.0, 0.0], [-1.0, 0.0]]))
 

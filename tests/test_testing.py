@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import importlib
+import pickle
 import re
 import subprocess
 import sys
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,12 +32,19 @@ from freplicate.testing._strategies import (
     ALL_DTYPES,
     CHECKPOINT_MODES,
     CLASSIC_KINDS,
+    CONTAINER_KINDS,
     KINDS,
     Checkpointed,
+    Items,
+    Output,
+    Outputs,
     Pair,
     Reassigned,
+    Record,
     SparseEmbedding,
     TiedMLP,
+    _contents,
+    contain,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,6 +225,26 @@ def test_the_oracle_fails_on_a_wrong_functional_result(monkeypatch, wrong, messa
         check_against_stateful(_model(), (torch.randn(6, 3),), ["cpu", "cpu"])
 
 
+def _model_output(module, state, *args, devices, **kwargs):
+    out, new = _real_data_parallel(module, state, *args, devices=devices, **kwargs)
+    return dict(out), new  # a ModelOutput come back as a plain dict: its type lost
+
+
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+def test_the_oracle_passes_on_every_container_and_fails_on_a_lost_type(monkeypatch, kind: str):
+    torch.manual_seed(0)
+    module, x = Outputs(3, 2, kind), torch.randn(6, 3)
+    check_against_stateful(module, (contain(kind, x, 0.5),), ["cpu", "cpu"])
+    if kind == "model_output":
+        monkeypatch.setattr(fr, "data_parallel", _model_output)
+        with pytest.raises(
+            AssertionError,
+            match=r"outputs of fr\.data_parallel differ .*structures differ at the root: dict "
+            r"with keys \['hidden', 'logits'\] in actual, Container of 2 in expected",
+        ):
+            check_against_stateful(module, (contain(kind, x, 0.5),), ["cpu", "cpu"])
+
+
 def test_the_oracle_rejects_unknown_options():
     with pytest.raises(ValueError, match="check_against_stateful: buffers must be"):
         check_against_stateful(_model(), (torch.randn(6, 3),), ["cpu"], buffers="last")
@@ -370,6 +400,20 @@ def test_trees_respect_their_options():
             assert all(side <= 2 for side in t.shape[1:])
 
 
+def test_trees_with_containers_nest_through_those_optree_keeps_whole():
+    def containers(tree: Any) -> set[type]:
+        return {
+            type(x)
+            for x in optree.tree_leaves(tree)
+            if isinstance(x, (Output, Record, Items, dict, list, tuple))
+        }
+
+    drawn = _collect(trees(containers=True), 200)
+    assert {Output, Record, Items} <= set().union(*map(containers, drawn))
+    assert any("OrderedDict" in str(optree.tree_structure(t)) for t in drawn)
+    assert not any(containers(t) for t in _collect(trees(), 200)), "only when asked"
+
+
 def test_trees_reject_impossible_options():
     with pytest.raises(ValueError, match=r"fr\.testing\.trees: dtypes"):
         trees(dtypes=[])
@@ -460,9 +504,13 @@ def test_modules_reject_unknown_kinds():
 
 def test_modules_draw_only_the_classic_kinds_unless_asked():
     assert set(CLASSIC_KINDS) < set(KINDS)
-    assert {"reassigned", "checkpoint", "sparse", "dropout"} == set(KINDS) - set(CLASSIC_KINDS)
+    assert {"reassigned", "checkpoint", "sparse", "dropout", "outputs"} == set(KINDS) - set(
+        CLASSIC_KINDS
+    )
     drawn = _collect(modules(), 100)
-    assert not any(isinstance(m, (Checkpointed, SparseEmbedding, Reassigned)) for m, _ in drawn)
+    assert not any(
+        isinstance(m, (Checkpointed, SparseEmbedding, Reassigned, Outputs)) for m, _ in drawn
+    )
     assert not any(isinstance(x, nn.Dropout) for m, _ in drawn for x in m.modules())
 
 
@@ -568,3 +616,49 @@ def test_the_docs_example_is_the_tested_file():
     assert tested in blocks, (
         "docs/property_testing.md must show property_tests/test_docs_example.py"
     )
+
+
+def test_outputs_modules_take_and_return_a_container_of_their_kind():
+    @settings(max_examples=30, derandomize=True, database=None, deadline=None)
+    @given(modules(kinds=["outputs"], max_batch=3), st.data())
+    def check(pair: Any, data: st.DataObject) -> None:
+        module, inputs = pair
+        (batch,) = data.draw(inputs)
+        assert module.kind in CONTAINER_KINDS
+        assert type(module(batch)) is type(batch) is type(contain(module.kind, 0, 0))
+
+    check()
+
+
+@pytest.mark.parametrize("kind", CONTAINER_KINDS)
+def test_contain_builds_each_kind_of_container(kind: str):
+    made = contain(kind, torch.ones(4, 2), 3)
+    expected = {
+        "dict": dict,
+        "ordered_dict": OrderedDict,
+        "model_output": Output,
+        "namedtuple": Pair,
+        "dataclass": Record,
+        "list": list,
+        "tuple": tuple,
+        "list_subclass": Items,
+    }[kind]
+    assert type(made) is expected
+    y, loss = _contents(Outputs(2, 3, kind)(made))
+    assert y.shape == (4, 3) and loss.shape == ()
+    with pytest.raises(ValueError, match=r"contain: kind must be one of"):
+        contain("set", 1, 2)
+
+
+def test_output_is_built_as_a_model_output():
+    logits = torch.ones(2)
+    out = Output(loss=None, logits=logits, hidden=(logits,))
+    assert list(out) == ["logits", "hidden"] and out.logits is out["logits"] is logits
+    # from (key, value) pairs, as nn.parallel.scatter (a tuple) and gather (a generator) build it
+    for pairs in (tuple(out.items()), (kv for kv in out.items()), out.items()):
+        again = Output(pairs)
+        assert list(again) == ["logits", "hidden"] and again.logits is logits and again.loss is None
+    assert list(Output(loss=[1, 2])) == ["loss"], "values that are not pairs stay values"
+    copied = copy.deepcopy(out)
+    assert type(copied) is Output and torch.equal(copied.logits, logits)
+    assert list(pickle.loads(pickle.dumps(out))) == ["logits", "hidden"]

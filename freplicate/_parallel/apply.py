@@ -121,7 +121,8 @@ def _as_list(caller: str, arg: str, values: Any) -> list[Any]:
 
 
 def _device_of(*trees: Any) -> torch.device | None:
-    for leaf in _tree.flatten(trees)[0]:
+    # where nn.parallel.parallel_apply looks: not inside dataclasses
+    for leaf in _tree.flatten_containers(trees, dataclasses=False)[0]:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return None
@@ -293,7 +294,7 @@ def _unchanged(gens: Sequence[torch.Generator], states: Sequence[torch.Tensor]) 
 
 
 def _record_stream(tree: Any, dev: torch.device, stream: Any) -> None:
-    for leaf in _tree.flatten(tree)[0]:
+    for leaf in _tree.flatten_containers(tree)[0]:
         if isinstance(leaf, torch.Tensor) and leaf.device == dev:
             leaf.record_stream(stream)
 

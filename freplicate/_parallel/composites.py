@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from .. import _caches, _pack, _tree
-from .._apply import apply
-from .._checks import check_choice, check_int, check_op, check_state
+from .._apply import apply, check_bindable
+from .._checks import check_choice, check_int, check_op
 from .._devices import as_device, as_devices
 from .._grad import grad_and_value
 from .._replicate import replicate, replicate_shared
@@ -64,7 +64,9 @@ def data_parallel(
     0-dim), moved to ``output_device`` if that is another device. Gradients
     of a loss on ``output`` flow back to ``state.params`` summed over the
     replicas, exactly as through ``nn.DataParallel``. With no inputs at all,
-    one replica runs (as ``nn.DataParallel``).
+    one replica runs (as ``nn.DataParallel``). Inputs and outputs in
+    containers (a ``transformers`` ``ModelOutput``, a dataclass output) are
+    split and joined as ``scatter`` and ``gather`` do, keeping their type.
 
     Every replica binds tensor objects of its own (``fr.replicate``), so a
     forward that writes ``.grad`` or calls ``zero_grad()`` touches its own
@@ -89,7 +91,8 @@ def data_parallel(
     replica 0), each on the device of the corresponding buffer of ``state``.
     ``state`` and ``module`` are left unchanged. Names missing from ``state``
     fall back to the module's own tensors, as in ``fr.apply``: give a complete
-    state when ``devices`` are not the module's device.
+    state when ``devices`` are not the module's device. A ``None`` in
+    ``state`` is bound on every replica, as in ``fr.apply``.
 
     Args:
         module: the module whose forward runs; never modified.
@@ -118,7 +121,7 @@ def data_parallel(
         (torch.Size([8, 2]), 1)
     """
     caller = "fr.data_parallel"
-    check_state(caller, state)
+    check_bindable(caller, state)
     check_choice(caller, "buffers", buffers, ("first", "mean"))
     check_int(caller, "dim", dim)
     devs = as_devices(devices, caller=caller)
@@ -156,7 +159,8 @@ def data_parallel(
         # nn.DataParallel calls the module directly on one device: no gather
         output = results[0][0]
         if out_dev != devs[0]:
-            output = replicate(output, [out_dev])[0]
+            leaves, spec = _tree.flatten_containers(output)
+            output = _tree.unflatten_containers(spec, replicate(leaves, [out_dev])[0], caller)
     else:
         output = gather([r[0] for r in results], out_dev, dim=dim)
     new_buffers = _combine_buffers([r[1].buffers for r in results], state.buffers, buffers, caller)
@@ -170,14 +174,15 @@ def _combine_buffers(
     caller: str,
 ) -> dict[str, torch.Tensor]:
     first = per_replica[0]
-    keys = list(first)
+    keys = [k for k, v in first.items() if v is not None]  # None, bound as given, stays None
     values = [first[k] for k in keys]
     # where each buffer goes back to: the given state's device (names the state
     # lacks came from the module's own tensors, already on its device)
     targets = [given[k].device if k in given else v.device for k, v in zip(keys, values)]
     paths = [f"buffers[{k!r}]" for k in keys]
     per = [[bufs[k] for k in keys] for bufs in per_replica] if how == "mean" else [values]
-    return dict(zip(keys, _first_or_mean(per, how, targets, paths, caller)))
+    combined = dict(zip(keys, _first_or_mean(per, how, targets, paths, caller)))
+    return {k: combined.get(k) for k in first}  # type: ignore[misc]
 
 
 def data_parallel_grad(
@@ -343,14 +348,13 @@ def data_parallel_grad(
 
 def _combine_aux(auxes: list[Any], how: str, device: torch.device, caller: str) -> Any:
     """Replica 0's aux (``"first"``), or the mean of its floating-point leaves (``"mean"``), on ``device``."""
-    flats = [_tree.flatten(a) for a in auxes]
+    flats = [_tree.flatten_containers(a) for a in auxes]
     leaves, spec = flats[0]
-    for j, (_, other) in enumerate(flats[1:], start=1):
-        if how == "mean" and other != spec:
-            at, mine, theirs = _tree.structure_difference(auxes[0], auxes[j])
+    if how == "mean":
+        diff = _tree.first_container_difference([s for _, s in flats], auxes, "replica")
+        if diff is not None:
             raise ValueError(
-                f"{caller}: aux='mean' needs the replicas' aux of one structure; they differ "
-                f"at {at}: {mine} in replica 0, {theirs} in replica {j}"
+                f"{caller}: aux='mean' needs the replicas' aux of one structure; {diff}"
             )
     pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     paths = _tree.LazyPaths(spec, pos)
@@ -360,7 +364,7 @@ def _combine_aux(auxes: list[Any], how: str, device: torch.device, caller: str) 
     new = list(leaves)
     for i, v in zip(pos, combined):
         new[i] = v
-    return _tree.unflatten(spec, new)
+    return _tree.unflatten_containers(spec, new, caller)
 
 
 def _first_or_mean(

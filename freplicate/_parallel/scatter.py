@@ -31,7 +31,12 @@ def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
     chunks than devices (a batch of 3 on 4 devices, or of 5, which
     ``torch.chunk`` cuts as 2 + 2 + 1), there are that many shards, and when
     leaves yield different numbers of chunks the smallest wins; a tree without
-    tensor leaves gives one shard per device. Differentiable: the gradient
+    tensor leaves gives one shard per device. Containers are looked into as
+    ``nn.parallel.scatter`` looks into them, and every shard holds one of the
+    same type: dicts and dict subclasses (a ``transformers`` ``ModelOutput``,
+    built as ``type(d)(pairs)``), lists, tuples, their subclasses and
+    NamedTuples. A dataclass is not looked into: it is shared whole by every
+    shard, as ``nn.parallel.scatter`` shares it. Differentiable: the gradient
     of the shards flows back into ``tree``. Nothing is modified.
 
     Args:
@@ -46,7 +51,8 @@ def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
         ValueError: a bad device; a 0-dim tensor leaf (it cannot be split: pass
             a scalar as a Python number, or close over it; ``nn.parallel.scatter``
             fails on it too); ``dim`` out of range for a leaf.
-        TypeError: ``dim`` is not an int; a sparse or other non-strided leaf.
+        TypeError: ``dim`` is not an int; a sparse or other non-strided leaf; a
+            container whose constructor refuses its shard's values (naming its path).
 
     Examples:
         >>> shards = scatter({"x": torch.arange(5.0), "tag": "a"}, ["cpu", "cpu"])
@@ -69,7 +75,8 @@ def shard(
     rename: Callable[[str], str] | None = None,
 ) -> list[T]:
     """``scatter`` onto parsed devices; errors name ``caller`` and paths as ``rename`` shows them."""
-    leaves, spec = _tree.flatten(tree)
+    # dataclasses stay whole, shared by every shard: nn.parallel.scatter does not look inside them
+    leaves, spec = _tree.flatten_containers(tree, dataclasses=False)
     unique, slot = _tree.alias_groups(leaves)
     if not unique:
         return [tree for _ in devs]
@@ -84,7 +91,8 @@ def shard(
     for d in range(n):
         pieces = [c[d] for c in chunks]
         moved = _pack.broadcast_coalesced(pieces, [devs[d]], paths=paths, caller=caller)[0]
-        shards.append(_tree.rebuild(spec, leaves, slot, moved))
+        shard = [moved[s] if s >= 0 else x for x, s in zip(leaves, slot)]  # ties kept
+        shards.append(_tree.unflatten_containers(spec, shard, caller, rename))
     return shards
 
 
@@ -125,7 +133,12 @@ def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
     per replica, are stacked into a 1-D tensor, one entry per tree, whatever
     ``dim`` is (``nn.DataParallel`` does the same for ``dim=0``). A non-tensor
     leaf equal in every tree comes back once; unequal ones come back as a
-    tuple, one value per tree. Differentiable; nothing is modified.
+    tuple, one value per tree. Containers are joined as ``nn.parallel.gather``
+    joins them, and keep their type: dict subclasses (a ``transformers``
+    ``ModelOutput``, built as ``type(out)(pairs)``), list and tuple
+    subclasses, NamedTuples; dataclasses too, field by field (built as
+    ``type(out)(**init_fields)``), where ``nn.parallel.gather`` raises.
+    Differentiable; nothing is modified.
 
     Args:
         trees: one tree per replica, all of one structure (a list, not one tree).
@@ -137,7 +150,8 @@ def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
 
     Raises:
         TypeError: ``trees`` is a single tree (a dict, a tensor) rather than a
-            list of them; ``dim`` is not an int.
+            list of them; ``dim`` is not an int; a container whose constructor
+            refuses its gathered values (naming its path).
         ValueError: ``trees`` is empty; a bad device; trees of different
             structure, or a tensor in one tree where another has a non-tensor
             (naming the first differing path); shapes that do not concatenate.
@@ -147,15 +161,19 @@ def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
         ...               {"y": torch.zeros(1), "loss": torch.tensor(3.0), "k": "b"}], "cpu")
         >>> out["y"].tolist(), out["loss"].tolist(), out["k"]
         ([1.0, 1.0, 0.0], [1.0, 3.0], ('a', 'b'))
+        >>> from collections import OrderedDict
+        >>> class Output(OrderedDict): pass  # a ModelOutput, say
+        >>> gather([Output(y=torch.ones(2)), Output(y=torch.zeros(1))], "cpu")
+        Output([('y', tensor([1., 1., 0.]))])
     """
     trees = check_trees("fr.gather", trees)
     check_int("fr.gather", "dim", dim)
     dev = as_device(device, caller="fr.gather")
     if not trees:
         raise ValueError("fr.gather: trees is empty; give at least one tree")
-    flats = [_tree.flatten(t) for t in trees]
+    flats = [_tree.flatten_containers(t) for t in trees]
     specs = [s for _, s in flats]
-    diff = _tree.first_difference(specs, trees)
+    diff = _tree.first_container_difference(specs, trees)
     if diff is not None:
         raise ValueError(f"fr.gather: {diff}")
     spec = specs[0]
@@ -186,7 +204,7 @@ def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
         ]
         for k, i in enumerate(tensor_pos):
             out[i] = _join([m[k] for m in moved], dim, paths, i)
-    return _tree.unflatten(spec, out)
+    return _tree.unflatten_containers(spec, out, "fr.gather")
 
 
 def _join(parts: list[torch.Tensor], dim: int, paths: Sequence[str], i: int) -> torch.Tensor:

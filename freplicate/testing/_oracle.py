@@ -14,14 +14,18 @@ device, backward, sum each parameter's gradients over the copies (what
 ``Broadcast``'s backward does), and keep the buffers of replica 0 (whose
 buffers, in DataParallel, are the module's own). The loss is a fixed random
 weighting of every floating-point output, so that every output element
-carries its own gradient.
+carries its own gradient. The containers optree keeps whole (a dict subclass
+such as ``transformers``' ``ModelOutput``, a list or tuple subclass, a
+dataclass) are scattered and gathered as ``nn.parallel`` does, and opened for
+the loss, the comparison and the check that no input changed.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import optree
 import torch
@@ -129,10 +133,39 @@ def _arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
+class Container(NamedTuple):
+    """A container optree keeps whole, opened: its type and its contents, a plain dict or list."""
+
+    type: type
+    contents: Any
+
+
+def _opened(tree: Any) -> Any:
+    """``tree`` with every dict, list or tuple subclass and dataclass optree keeps whole opened.
+
+    What the loss, the comparison (``assert_trees_close`` sees ``.contents``
+    and compares ``.type``) and the snapshot of the inputs look inside.
+    """
+
+    def open_one(x: Any) -> Any:
+        if isinstance(x, (torch.Tensor, torch.Size)):
+            return x
+        if isinstance(x, dict):
+            return Container(type(x), {k: _opened(v) for k, v in x.items()})
+        if isinstance(x, (list, tuple)):
+            return Container(type(x), [_opened(v) for v in x])
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            fields = {f.name: _opened(getattr(x, f.name)) for f in dataclasses.fields(x)}
+            return Container(type(x), fields)
+        return x
+
+    return optree.tree_map(open_one, tree)
+
+
 def _loss(out: Any) -> torch.Tensor | None:
     """A fixed random weighting of every floating-point output element, summed."""
     total: torch.Tensor | None = None
-    for i, leaf in enumerate(optree.tree_leaves(out)):
+    for i, leaf in enumerate(optree.tree_leaves(_opened(out))):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             g = torch.Generator().manual_seed(i)
             weight = torch.randn(leaf.shape, generator=g).to(leaf.dtype).to(leaf.device)
@@ -261,9 +294,14 @@ def _gather(outs: list[Any], device: torch.device) -> Any:
         return type(first)((k, _gather([o[k] for o in outs], device)) for k in first)
     if isinstance(first, tuple) and hasattr(first, "_fields"):
         return type(first)(*(_gather(list(xs), device) for xs in zip(*outs)))
-    if isinstance(first, (tuple, list)):
+    if isinstance(first, (tuple, list)) and not isinstance(first, torch.Size):
         return type(first)(_gather(list(xs), device) for xs in zip(*outs))
-    # DataParallel cannot gather other leaves; fr.gather's rule: equal ones come back once
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        # DataParallel raises here (a dataclass is not iterable); fr.gather's rule: field by field
+        fields = [f.name for f in dataclasses.fields(first) if f.init]
+        return type(first)(**{k: _gather([getattr(o, k) for o in outs], device) for k in fields})
+    # DataParallel cannot gather other leaves (a torch.Size, a number); fr.gather's rule: equal
+    # ones come back once
     return first if all(o == first for o in outs) else tuple(outs)
 
 
@@ -275,7 +313,10 @@ def _dense(tree: Any) -> Any:
 
 
 def _detached(tree: Any) -> Any:
-    return optree.tree_map(lambda x: x.detach() if isinstance(x, torch.Tensor) else x, tree)
+    """``tree``, opened (``_opened``), with its tensors detached: what the comparison sees."""
+    return optree.tree_map(
+        lambda x: x.detach() if isinstance(x, torch.Tensor) else x, _opened(tree)
+    )
 
 
 # (what, tensor, _version, value, .grad object) of every tensor the oracle must leave alone
@@ -288,7 +329,7 @@ def _snapshot(tree: Any) -> _Snapshot:
         (f"the module's {name!r}", t)
         for name, t in (*module.named_parameters(), *module.named_buffers())
     ]
-    inputs: Any = (args, kwargs)
+    inputs: Any = _opened((args, kwargs))
     accessors, leaves, _ = optree.tree_flatten_with_accessor(inputs)
     for accessor, leaf in zip(accessors, leaves):
         if isinstance(leaf, torch.Tensor):

@@ -10,11 +10,16 @@ deep-copy (to the stateful oracle).
 Besides the classic kinds drawn by default, ``modules()`` draws, when asked,
 the modules real training brings: blocks under activation checkpointing (both
 of ``torch.utils.checkpoint``'s modes and ``checkpoint_wrapper``), sparse
-embeddings, dropout, frozen sub-trees and compiled modules.
+embeddings, dropout, frozen sub-trees, compiled modules, and inputs and
+outputs in every kind of container (``CONTAINER_KINDS``: a ``ModelOutput``
+like ``Output``, dataclasses, subclasses), as ``trees(containers=True)``
+draws them too.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -32,9 +37,14 @@ __all__ = [
     "ALL_DTYPES",
     "CHECKPOINT_MODES",
     "CLASSIC_KINDS",
+    "CONTAINER_KINDS",
     "FLOAT_DTYPES",
     "KINDS",
+    "Items",
+    "Output",
     "Pair",
+    "Record",
+    "contain",
     "devices",
     "modules",
     "trees",
@@ -57,6 +67,110 @@ class Pair(NamedTuple):
 
     first: Any
     second: Any
+
+
+# --- containers optree keeps whole, which nn.parallel's scatter and gather look inside
+
+
+@dataclasses.dataclass
+class Output(OrderedDict[str, Any]):
+    """A model output as ``transformers``' ``ModelOutput`` makes one: an OrderedDict and a dataclass.
+
+    Its keys are the fields that are not ``None``, in field order, and each
+    is an attribute too. Built from its fields, or, as ``nn.parallel`` builds
+    a dict subclass, from ``(key, value)`` pairs given as the only argument.
+
+    >>> out = Output(loss=torch.tensor(1.0), logits=torch.ones(2))
+    >>> list(out), out.logits is out["logits"], out.hidden
+    (['loss', 'logits'], True, None)
+    >>> list(Output(out.items()))
+    ['loss', 'logits']
+    """
+
+    loss: Any = None
+    logits: Any = None
+    hidden: Any = None
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in dataclasses.fields(self)]
+        first = getattr(self, names[0])
+        pairs = None
+        if all(getattr(self, n) is None for n in names[1:]) and not isinstance(
+            first, (torch.Tensor, str, type(None))
+        ):
+            try:
+                items = list(first.items() if isinstance(first, dict) else first)
+            except TypeError:  # not iterable: a value
+                items = []
+            if all(isinstance(p, tuple) and len(p) == 2 and p[0] in names for p in items):
+                pairs, first = items, None
+        setattr(self, names[0], first)
+        for k, v in pairs or ():
+            setattr(self, k, v)
+        for n in names:
+            if getattr(self, n) is not None:
+                super().__setitem__(n, getattr(self, n))
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """A dataclass, frozen: a node to ``fr.gather`` (joined field by field), a leaf to ``fr.scatter``."""
+
+    first: Any
+    second: Any
+
+
+class Items(list[Any]):
+    """A list subclass: a node to ``fr.scatter`` and ``fr.gather``, which keep its type."""
+
+    def __repr__(self) -> str:
+        return f"Items({super().__repr__()})"
+
+
+CONTAINER_KINDS: tuple[str, ...] = (
+    "dict",
+    "ordered_dict",
+    "model_output",
+    "namedtuple",
+    "dataclass",
+    "list",
+    "tuple",
+    "list_subclass",
+)
+"""The containers ``contain`` builds, and the ``"outputs"`` kind of ``modules()`` returns."""
+
+
+def contain(kind: str, first: Any, second: Any) -> Any:
+    """A container of ``kind`` (one of ``CONTAINER_KINDS``) holding ``first`` and ``second``.
+
+    >>> contain("model_output", torch.ones(1), None)
+    Output(loss=None, logits=tensor([1.]), hidden=None)
+    """
+    if kind == "model_output":
+        return Output(logits=first, hidden=second)
+    made: dict[str, Callable[[Any, Any], Any]] = {
+        "dict": lambda a, b: {"first": a, "second": b},
+        "ordered_dict": lambda a, b: OrderedDict(first=a, second=b),
+        "namedtuple": Pair,
+        "dataclass": Record,
+        "list": lambda a, b: [a, b],
+        "tuple": lambda a, b: (a, b),
+        "list_subclass": lambda a, b: Items([a, b]),
+    }
+    if kind not in made:
+        raise ValueError(f"contain: kind must be one of {CONTAINER_KINDS}, got {kind!r}")
+    return made[kind](first, second)
+
+
+def _contents(container: Any) -> tuple[Any, Any]:
+    """What ``contain`` put in ``container``: ``(first, second)``."""
+    if isinstance(container, Output):
+        return container.logits, container.hidden
+    if isinstance(container, dict):
+        return container["first"], container["second"]
+    if isinstance(container, Record):
+        return container.first, container.second
+    return container[0], container[1]
 
 
 def _tensor(
@@ -148,6 +262,7 @@ def trees(
     non_tensor_leaves: bool = True,
     views: bool = True,
     device: Any = "cpu",
+    containers: bool = False,
 ) -> st.SearchStrategy[Any]:
     """Pytrees of tensors nested through dict, list, tuple, ``Pair`` (a NamedTuple) and None.
 
@@ -167,6 +282,11 @@ def trees(
             tensor: transposed, strided, offset into a larger storage, or
             expanded (stride 0).
         device: where the tensor leaves lie.
+        containers: nest through the containers that optree keeps whole (as
+            leaves) but ``nn.parallel``'s scatter and gather look inside, and
+            ``fr.scatter`` and ``fr.gather`` with them: ``Output`` (a
+            ``ModelOutput``: a dict subclass), ``Record`` (a dataclass) and
+            ``Items`` (a list subclass); and an ``OrderedDict``.
 
     Returns:
         A strategy of trees.
@@ -208,12 +328,20 @@ def trees(
         )
 
     def extend(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-        return st.one_of(
+        nodes: list[st.SearchStrategy[Any]] = [
             st.dictionaries(_KEYS, children, max_size=3),
             st.lists(children, max_size=3),
             st.lists(children, max_size=3).map(tuple),
             st.builds(Pair, children, children),
-        )
+        ]
+        if containers:
+            nodes += [
+                st.builds(Output, logits=children, hidden=children),
+                st.builds(Record, children, children),
+                st.lists(children, max_size=3).map(Items),
+                st.dictionaries(_KEYS, children, max_size=3).map(OrderedDict),
+            ]
+        return st.one_of(*nodes)
 
     nested = st.recursive(base, extend, max_leaves=max_leaves)
     return _with_aliases(nested) if aliased else nested
@@ -464,6 +592,30 @@ class SparseEmbedding(nn.Module):
         return self.head(self.embed(indices))
 
 
+class Outputs(nn.Module):
+    """Input and output in a container of one of ``CONTAINER_KINDS``: how scatter and gather treat each.
+
+    ``forward(contain(kind, x, scale))`` returns ``contain(kind, y, loss)``,
+    ``y = Linear(x) * scale`` (batched) and ``loss`` its mean square (0-dim,
+    stacked by a gather). ``nn.parallel.scatter`` shares a dataclass input
+    whole (every replica sees the whole batch), and cannot gather a
+    dataclass output (``fr.gather`` joins it field by field).
+    """
+
+    def __init__(self, n: int, m: int, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(n, m)
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind!r}"
+
+    def forward(self, batch: Any) -> Any:
+        x, scale = _contents(batch)
+        y = self.lin(x) * scale
+        return contain(self.kind, y, y.square().mean())
+
+
 def _batch(
     tails: Sequence[Sequence[int]], dtype: torch.dtype, max_batch: int
 ) -> st.SearchStrategy[tuple[torch.Tensor, ...]]:
@@ -607,6 +759,16 @@ def _dropout(
     return module, _batch([(n,)], dtype, max_batch).map(lambda t: t[0])
 
 
+def _outputs(
+    draw: _Draw, size: st.SearchStrategy[int], dtype: torch.dtype, max_batch: int
+) -> _Built:
+    n, m = draw(size), draw(size)
+    kind = draw(st.sampled_from(CONTAINER_KINDS))
+    scale = draw(st.sampled_from([1.0, -0.5]))
+    batch = _batch([(n,)], dtype, max_batch).map(lambda t: (contain(kind, t[0], scale),))
+    return Outputs(n, m, kind), batch
+
+
 _Builder = Callable[[_Draw, st.SearchStrategy[int], torch.dtype, int], _Built]
 
 _KINDS: dict[str, _Builder] = {
@@ -624,6 +786,7 @@ _KINDS: dict[str, _Builder] = {
     "checkpoint": _checkpointed,
     "sparse": _sparse,
     "dropout": _dropout,
+    "outputs": _outputs,
 }
 
 KINDS: tuple[str, ...] = tuple(_KINDS)
@@ -686,6 +849,12 @@ def modules(
     - ``"dropout"``: ``Linear``, ``Dropout``, ``Tanh``, ``Linear``: in
       training mode its output depends on the random number generator, so
       seed it (``torch.manual_seed``) before each call you compare.
+    - ``"outputs"``: ``Outputs``, whose input (the one positional argument)
+      and output are containers of a kind drawn from ``CONTAINER_KINDS``
+      (dict, ``OrderedDict``, a ``ModelOutput`` like ``Output``, NamedTuple,
+      dataclass, list, tuple, list subclass); a dataclass or a dict subclass
+      is a leaf to optree, so compare such outputs with a comparison that
+      looks inside them (``check_against_stateful`` does).
 
     Other options:
 
