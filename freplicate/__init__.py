@@ -15,6 +15,10 @@ from . import distributed as distributed
 from ._amp import GradScaler as GradScaler
 from ._apply import apply as apply
 from ._caches import clear_caches as clear_caches
+from ._checkpoint import from_state_dict as from_state_dict
+from ._checkpoint import optimizer_state_by_index as optimizer_state_by_index
+from ._checkpoint import optimizer_state_by_name as optimizer_state_by_name
+from ._checkpoint import to_state_dict as to_state_dict
 from ._clip import clip_grad_norm as clip_grad_norm
 from ._grad import grad_and_value as grad_and_value
 from ._parallel import all_reduce as all_reduce
@@ -44,13 +48,17 @@ __all__ = [
     "data_parallel",
     "data_parallel_grad",
     "distributed",
+    "from_state_dict",
     "gather",
     "grad_and_value",
+    "optimizer_state_by_index",
+    "optimizer_state_by_name",
     "parallel_apply",
     "partition",
     "replicate",
     "scatter",
     "state",
+    "to_state_dict",
 ]
 
 

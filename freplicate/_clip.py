@@ -10,9 +10,11 @@ on doing exactly that: this module follows torch's steps with its own
 grouping, over the leaves in insertion order (``named_parameters()``'s, not
 optree's sorted keys), and multiplies out of place.
 
-``norm_pieces`` and ``clip_with_norm`` are the two halves, for the sharded
-``fr.distributed.clip_grad_norm``, which reduces the pieces across ranks
-before it clips.
+``norm_pieces`` and ``clip_with_norm`` are the two halves; the sharded
+``fr.distributed.clip_grad_norm`` puts every tensor's norm together from
+the ranks' ``unrounded_norms`` (each rank's rows reduced in the precision
+torch reduces a whole tensor in, not yet rounded to the tensor's dtype)
+before it rounds it once, as torch does, and clips.
 """
 
 from __future__ import annotations
@@ -26,9 +28,18 @@ from ._torch import foreach_mul, foreach_norm, foreach_supported, groups_by_devi
 from ._tree import flatten_in_order, paths_of, unflatten
 from ._typing import T, TensorTree
 
-__all__ = ["clip_grad_norm", "clip_with_norm", "norm_pieces"]
+__all__ = ["clip_grad_norm", "clip_with_norm", "norm_pieces", "unrounded_norms"]
 
 _CALLER = "fr.clip_grad_norm"
+
+# torch reduces a half-precision tensor in float32 (its opmath type) and rounds the norm
+# to the tensor's dtype only at the end; other dtypes are reduced in their own
+_ACCUMULATOR = {
+    torch.float16: torch.float32,
+    torch.bfloat16: torch.float32,
+    torch.complex32: torch.complex64,
+}
+
 
 def _groups(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int]]]:
     """``tensors`` split by (device, dtype), with their positions, in torch's order of groups."""
@@ -78,6 +89,44 @@ def _stacked_norms(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
             norms.extend(torch.linalg.vector_norm(g, p) for g in group)
     first = tensors[0].device
     return torch.stack([n.to(first) for n in norms])
+
+
+def unrounded_norms(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]:
+    """The ``p``-norm of each tensor as torch reduces it, before it rounds it to the tensor's dtype.
+
+    A float16 or bfloat16 tensor's norm comes in float32 (torch's accumulator:
+    ``vector_norm`` of it is this value rounded once to its dtype), a
+    complex32 one's in float32 too; any other dtype's is its own (real)
+    dtype, as ``clip_grad_norm_`` computes it. For norms put together from
+    pieces (a sharded gradient's rows on every rank), which must be combined
+    first and rounded once: rounding every piece to 8 bits of mantissa
+    before the sum moves a bfloat16 tensor's norm by units in its last place.
+
+    >>> x = torch.tensor([1.0, 1.0, 1.0], dtype=torch.bfloat16)
+    >>> unrounded_norms([x], 2.0)[0]  # sqrt(3), not yet rounded to bfloat16's 1.7344
+    tensor(1.7321)
+    >>> torch.linalg.vector_norm(x)
+    tensor(1.7344, dtype=torch.bfloat16)
+
+    Args:
+        tensors: dense floating-point or complex tensors.
+        p: the ``p`` of the p-norm.
+
+    Returns:
+        One 0-dim tensor per tensor, in their order, each on its tensor's device.
+    """
+    out: list[Any] = [None] * len(tensors)
+    for group, idx in _groups(tensors):
+        accumulator = _ACCUMULATOR.get(group[0].dtype)
+        if accumulator is not None:
+            norms = [torch.linalg.vector_norm(g, p, dtype=accumulator) for g in group]
+        elif _foreach(group):
+            norms = foreach_norm(group, p)
+        else:
+            norms = [torch.linalg.vector_norm(g, p) for g in group]
+        for k, n in zip(idx, norms):
+            out[k] = n
+    return out
 
 
 def _scaled(tensors: list[torch.Tensor], limit: float, total: torch.Tensor) -> list[torch.Tensor]:

@@ -4,19 +4,27 @@ Trees of mixed floating-point and complex dtypes (groups of several dtypes, in
 torch's order of groups), views of every layout, tied leaves, non-tensor and
 ``None`` leaves; models of every classic kind, their real gradients in
 ``named_parameters()`` order (keys such as ``'10.weight'`` after
-``'2.weight'``), every norm type torch takes.
+``'2.weight'``), every norm type torch takes; gradients of every dtype mix
+(bfloat16 and float16 beside float32, float64 and complex64, up to 1,600
+elements a leaf) on torch's foreach path and off it. And
+``fr.distributed.clip_grad_norm`` of those mixes on 2 gloo ranks
+(``_property_clip_ranks.py``): torch's total within ``pieced_slack`` (bit
+for bit where only torch's own rounding is left), the same on every rank.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from _property_clip import assert_bitwise, torch_clip
-from _property_support import Unchanged, split_inputs
+from _property_clip import assert_bitwise, gradients, torch_clip
+from _property_clip_ranks import Check
+from _property_ddp import RankPool
+from _property_support import Unchanged, examples, split_inputs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -63,3 +71,76 @@ def test_model_gradients_clip_as_torch(
     want = {k: p.grad for k, p in model.named_parameters()}
     assert_bitwise(norm, want_norm)
     assert_bitwise(got, want)
+
+
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+MIXES = st.sampled_from(
+    [
+        (F32, BF16),
+        (F32, F16),
+        (BF16,),
+        (F16,),
+        (BF16, F16),
+        (F64, F32),
+        (F64, BF16),
+        (F64, F16),
+        (torch.complex64, BF16),
+        (BF16, F32, F16, F64),
+    ]
+)
+# up to 40 x 40: sums long enough for float32 and bfloat16 to part, rows that do not divide
+SHAPES = st.lists(st.lists(st.integers(0, 40), max_size=2).map(tuple), min_size=1, max_size=6)
+
+
+@pytest.mark.filterwarnings("ignore:Casting complex values to real")  # torch's, at p = 0
+@given(MIXES, SHAPES, MAX_NORMS, NORM_TYPES, st.integers(0, 2**16))
+def test_dtype_mixes_clip_as_torch_on_and_off_the_foreach_path(
+    dtypes: tuple[torch.dtype, ...],
+    shapes: list[tuple[int, ...]],
+    max_norm: float,
+    norm_type: Any,
+    seed: int,
+):
+    grads = gradients(dtypes, shapes, seed)
+    try:
+        want, want_norm = torch_clip(grads, max_norm, norm_type)
+    except RuntimeError:  # an empty leaf has no max, min or negative-power norm
+        return
+    got, norm = fr.clip_grad_norm(grads, max_norm, norm_type=norm_type)
+    assert_bitwise(norm, want_norm)
+    assert_bitwise(got, want)
+    # Parameter leaves: torch's foreach test turns them away, so both take vector_norm per leaf
+    as_params = {k: torch.nn.Parameter(g, requires_grad=False) for k, g in grads.items()}
+    got, norm = fr.clip_grad_norm(as_params, max_norm, norm_type=norm_type)
+    assert_bitwise(norm, want_norm)
+    assert_bitwise({k: v.data for k, v in got.items()}, want)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[RankPool]:
+    pool = RankPool(pg_timeout=30.0, reply_timeout=60.0)
+    yield pool
+    pool.close()
+
+
+@examples(0.3)
+@given(MIXES, SHAPES, MAX_NORMS, NORM_TYPES, st.integers(0, 2**16))
+def test_sharded_clip_of_dtype_mixes_is_clip_grad_norm_of_the_full_gradients(
+    ranks: RankPool,
+    dtypes: tuple[torch.dtype, ...],
+    shapes: list[tuple[int, ...]],
+    max_norm: float,
+    norm_type: Any,
+    seed: int,
+):
+    payload = {
+        "dtypes": dtypes,
+        "shapes": shapes,
+        "max_norm": max_norm,
+        "norm_type": norm_type,
+        "seed": seed,
+    }
+    for rank, (status, value) in enumerate(
+        ranks.run(Check("sharded_clip_of_dtype_mixes"), payload)
+    ):
+        assert status == "ok", f"rank {rank}: {value}"
