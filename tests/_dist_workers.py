@@ -555,7 +555,7 @@ def grad_matches_all_reduce(rank: int) -> Any:
 
 @scenario
 def under_vmap(rank: int) -> Any:
-    """Collectives have no batching rule: a clear error on every rank, not a crash or a hang."""
+    """Per-sample gradients under vmap: each sample's gradient averaged over the ranks."""
     g = fr.distributed.grad_and_value(lambda p, x: (p["w"] * x).sum())
     xs = torch.arange(6.0).view(3, 2) + rank
     return torch.func.vmap(g, in_dims=(None, 0))({"w": torch.ones(2)}, xs)

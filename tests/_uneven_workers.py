@@ -34,6 +34,7 @@ from torch import nn
 import freplicate as fr
 from freplicate._distributed import _plans as planning
 from freplicate._distributed._options import Options
+from freplicate._distributed._wire import ALL_REDUCE
 
 LR = 0.1
 
@@ -283,7 +284,7 @@ def accumulate_against_ddp(rank: int) -> dict[str, Any]:
         params = fr.state(model).params
         step = fr.distributed.grad_and_value(loss_of(model), bucket_cap_mb=cap)
         plan, _ = planning.plan_of(
-            params, Options("reduce", "mean", cap, None), None, 2, "fr.distributed.grad_and_value"
+            params, Options(ALL_REDUCE.name, "mean", cap, None), None, 2, "fr.distributed.grad_and_value"
         )
         pairs, per_step, values = [], [], []
         for s in range(4):

@@ -83,7 +83,8 @@ def test_all_reduce_odd_leaves(job):
     for r in ok(job, "reduce_odd_leaves"):
         close(r["out"], r["expected"])
         assert r["out"]["transposed"].shape == (4, 3) and r["out"]["empty"].shape == (0, 3)
-        assert not r["out"]["param"].requires_grad
+        assert r["out"]["transposed"].stride() == (1, 4)  # the input's memory format, kept
+        assert r["out"]["param"].requires_grad  # a graph-carrying input: its result carries it
         assert r["unchanged"] and r["empty_tree"] == {"n": 3}
 
 
@@ -301,13 +302,11 @@ def test_grad_equals_all_reduce_of_local_grad(job):
         assert r["unchanged"]
 
 
-def test_grad_under_vmap_raises(job):
-    raised(
-        job,
-        "under_vmap",
-        "RuntimeError",
-        r"fr\.distributed\.grad_and_value: cannot run under a torch\.func transform",
-    )
+def test_grad_under_vmap_gives_each_sample_the_mean_over_ranks(job):
+    for rank, (grads, values) in enumerate(ok(job, "under_vmap")):
+        xs = [torch.arange(6.0).view(3, 2) + r for r in range(2)]
+        torch.testing.assert_close(grads["w"], (xs[0] + xs[1]) / 2, rtol=0, atol=0)
+        torch.testing.assert_close(values, xs[rank].sum(1), rtol=0, atol=0)
 
 
 # --- failures that must not hang --------------------------------------------------------
@@ -542,9 +541,10 @@ def test_buckets_follow_the_reverse_of_the_insertion_order() -> None:
     # keys ('10.weight' < '2.weight') would scatter a bucket over the backward pass.
     from freplicate._distributed import _plans as planning
     from freplicate._distributed._options import Options
+    from freplicate._distributed._wire import ALL_REDUCE
 
     tree = {f"{i}.weight": torch.zeros(300_000) for i in range(12)}  # 1.2 MB: a bucket each
-    options = Options("reduce", "mean", 1.0, None)
+    options = Options(ALL_REDUCE.name, "mean", 1.0, None)
     plan, leaves = planning.plan_of(tree, options, None, 2, "fr.distributed.all_reduce")
     layout = plan.layout
     names = list(tree)

@@ -13,17 +13,19 @@ import torch
 import torch.distributed as dist
 
 from freplicate._distributed import _flags
-from freplicate._distributed._layout import build, difference, valid_rows
+from freplicate._distributed._layout import Tree, build, difference
 from freplicate._distributed._options import Options
+from freplicate._distributed._wire import ALIGN, valid_rows
 
 CPU = torch.device("cpu")
 
 
-def layout_of(shapes, dtypes=None, *, cap=25.0, kind="reduce", world=1, op="sum"):
+def layout_of(shapes, dtypes=None, *, cap=25.0, kind="all_reduce", world=1, op="sum", orders=None):
     dtypes = dtypes or [torch.float32] * len(shapes)
-    sigs = [(tuple(s), d, CPU, torch.strided) for s, d in zip(shapes, dtypes)]
+    orders = orders or [None] * len(shapes)
+    sigs = [(tuple(s), d, CPU, torch.strided, o) for s, d, o in zip(shapes, dtypes, orders)]
     paths = [f"['{i}']" for i in range(len(shapes))]
-    return build(paths, sigs, None, Options(kind, op, cap, None), world, "fr.test", CPU)
+    return build(Tree(paths, sigs), Options(kind, op, cap, None), world, "fr.test", CPU)
 
 
 def ddp_buckets(shapes, dtypes, cap_mb):
@@ -59,18 +61,19 @@ def test_the_first_bucket_carries_the_first_words_and_the_last_its_own():
 
 
 def test_a_layout_without_tensors_has_a_bucket_of_words():
-    layout = build(["['n']"], [None], [-1], Options("reduce", "sum", 25.0, None), 1, "fr.test", CPU)
+    options = Options("all_reduce", "sum", 25.0, None)
+    layout = build(Tree(["['n']"], [None], [-1]), options, 1, "fr.test", CPU)
     assert [(b.members, b.chunk) for b in layout.buckets] == [((), _flags.FIRST)]
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_scatter_chunks_are_torch_chunk_rows_padded(world):
-    layout = layout_of([(5, 3), (1, 2), (), (0, 4), (7,)], kind="scatter", world=world)
+    layout = layout_of([(5, 3), (1, 2), (), (0, 4), (7,)], kind="reduce_scatter", world=world)
     for bucket in layout.buckets:
         assert bucket.chunks == world
         for run in bucket.runs:
             if not run.shape:  # a 0-dim tensor: one value in every rank's chunk
-                assert run.rows == 1 and run.width == run.n
+                assert run.rows == 1 and run.size == 1
                 continue
             d0 = run.shape[0]
             assert run.rows == -(-d0 // world)
@@ -93,6 +96,35 @@ def test_fingerprints_tell_layouts_apart_and_descriptions_name_the_difference():
 def test_a_mean_of_integers_and_a_sparse_scatter_are_refused_by_path():
     with pytest.raises(TypeError, match=r"^fr\.test: op='mean' needs floating-point .* the leaf at \['0'\] is torch\.int64"):
         layout_of([(3,)], [torch.int64], op="mean")
-    sig = [((3, 3), torch.float32, CPU, torch.sparse_coo)]
-    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo, .* \(a scatter takes dense tensors only\)"):
-        build(["['s']"], sig, None, Options("scatter", "sum", 25.0, None), 2, "fr.test", CPU)
+    sig = [((3, 3), torch.float32, CPU, torch.sparse_coo, None)]
+    options = Options("reduce_scatter", "sum", 25.0, None)
+    with pytest.raises(TypeError, match=r"layout torch\.sparse_coo, .* \(a reduce_scatter takes dense tensors only\)"):
+        build(Tree(["['s']"], sig), options, 2, "fr.test", CPU)
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.uint8])
+def test_every_tensor_starts_64_byte_aligned(kind, dtype):
+    layout = layout_of([(3,), (5, 7), (5, 7), (1,), (300,), (2, 3, 4)], [dtype] * 6, kind=kind, world=3)
+    for bucket in layout.buckets:
+        for run in bucket.runs:
+            assert run.start * dtype.itemsize % ALIGN == 0
+            assert run.slot * dtype.itemsize % ALIGN == 0 and run.slot >= run.size
+
+
+def test_the_kind_and_the_memory_format_are_part_of_the_fingerprint():
+    shapes = [(4, 3), (2,)]
+    fingerprints = {
+        layout_of(shapes, kind=k, world=2, op="sum").fingerprint
+        for k in ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+    }
+    assert len(fingerprints) == 4
+    a = layout_of([(2, 3, 4, 5)], kind="all_reduce")
+    b = layout_of([(2, 3, 4, 5)], kind="all_reduce", orders=[(0, 2, 3, 1)])
+    assert a.fingerprint != b.fingerprint
+    text = difference(("fr.f", a.description), 0, ("fr.f", b.description), 1)
+    assert "memory format" in text and "(0, 2, 3, 1) on rank 1" in text
+    c = layout_of(shapes, kind="reduce_scatter", world=2)
+    d = layout_of(shapes, kind="all_reduce", world=2)
+    text = difference(("fr.f", c.description), 0, ("fr.f", d.description), 1)
+    assert text.startswith("ranks called different collectives: reduce_scatter on rank 0, all_reduce on rank 1")

@@ -33,7 +33,6 @@ import torch.distributed as dist
 from . import _flags
 from ._group import ProtocolError, collective, comm_device, group_key
 from ._layout import First, Layout, difference
-from ._transport import real_view, run_collective
 
 __all__ = [
     "Mismatch",
@@ -282,34 +281,21 @@ def _everyone(mine: Any, group: Any, caller: str) -> list[Any]:
 
 def _mirror(first: First, *, on_known: int, failed: bool, group: Any, caller: str) -> list[float]:
     """Run the expected layout's first collective with zeros and off-path words; their sums."""
-    kind, w = first.kind, first.chunks
+    kind, bucket = first
     words = [0.0] * _flags.FIRST
     words[_flags.OFF] = 1.0
     words[_flags.FAILED] = 1.0 if failed else 0.0
     words[_flags.KNOWN_AT : _flags.KNOWN_AT + _flags.KNOWN] = [1.0] * _flags.KNOWN
     if on_known >= 0:
         words[_flags.KNOWN_AT + on_known] = 0.0
-    mine = torch.tensor(words, dtype=first.comm, device=first.device)
-    send = torch.zeros(
-        first.chunk * (w if kind == "scatter" else 1), dtype=first.comm, device=first.device
-    )
-    if kind == "scatter":
-        send.view(w, first.chunk)[:, -_flags.FIRST :] = mine
-    else:
-        send[-_flags.FIRST :] = mine
+    sizes = kind.sizes(bucket)
+    send = torch.zeros(sizes.send, dtype=bucket.comm, device=bucket.device)
+    kind.put_words(bucket, send, torch.tensor(words, dtype=bucket.comm, device=bucket.device))
     recv = None
-    if kind != "reduce":
-        recv = torch.empty(
-            first.chunk * (w if kind == "gather" else 1), dtype=first.comm, device=first.device
-        )
-    out = None if recv is None else real_view(recv)
-    work = run_collective(kind, real_view(send), out, first.maximum, group, caller)
+    if sizes.recv is not None:
+        recv = torch.empty(sizes.recv, dtype=bucket.comm, device=bucket.device)
+    work = kind.start(send, recv, bucket.maximum, group, caller)
     with collective(caller):
         work.wait()
-    out = send if recv is None else recv
-    landed = (
-        out.view(w, first.chunk)[:, -_flags.FIRST :].sum(0)
-        if kind == "gather"
-        else out[-_flags.FIRST :]
-    )
+    landed = kind.words_of(bucket, send if recv is None else recv)
     return (landed.real if landed.is_complex() else landed).tolist()  # type: ignore[no-any-return]

@@ -23,7 +23,7 @@ import torch
 
 from .._autodiff import Rewind, Trees, detached, gradients, needs_full_backward, split_output
 from .._leaves import PLAIN, STACK_NUMEL, Leaves, SparseInStack
-from ._call import Call
+from ._call import Call, Send
 from ._layout import Layout
 from ._plans import Plan
 
@@ -135,7 +135,7 @@ class Differentiated(NamedTuple):
 def overlapped(
     what: Differentiated,
     call: Call,
-    plan: Plan,
+    send: Send,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     n: int,
@@ -145,9 +145,11 @@ def overlapped(
     """The step's backward pass, each bucket launched from gradient hooks; the results and value.
 
     ``args[n]`` is the differentiated tree, ``leaves`` its leaves (one per
-    tensor of ``plan``'s layout); ``attempt`` keeps what a retry needs.
+    tensor of the call's layout); ``send`` what this rank's buckets carry;
+    ``attempt`` keeps what a retry needs.
     """
     fn, has_aux, caller = what
+    plan = call.request.plan
     tensors = plan.tensors(leaves)
     stacks = stacks_of(plan, set(map(type, tensors)) <= PLAIN)  # plain tensors only: stacks
     made = _made(stacks, tensors, args, n, caller)
@@ -161,7 +163,7 @@ def overlapped(
     new_args = list(args)
     new_args[n] = plan.rebuild(leaves, fresh)
     layout = plan.layout
-    watch = _Watch(call, stacks, len(layout.buckets))
+    watch = _Watch(call, send, stacks, len(layout.buckets))
     with torch.enable_grad():
         value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
         full = needs_full_backward(value, diff, caller)
@@ -180,7 +182,7 @@ def overlapped(
         call.retry()
     for b in range(call.launched, len(layout.buckets)):
         span = stacks.spans[b]
-        call.launch(b, stacks.parts(b, grads[span.start : span.stop]))
+        call.launch(b, stacks.parts(b, grads[span.start : span.stop]), send)
     return call.finish(), rest
 
 
@@ -197,10 +199,11 @@ def _made(
 class _Watch:
     """The hooks that launch each bucket but the last as soon as its gradients are all computed."""
 
-    __slots__ = ("call", "missing", "nb", "ready", "sparse", "stacks")
+    __slots__ = ("call", "missing", "nb", "ready", "send", "sparse", "stacks")
 
-    def __init__(self, call: Call, stacks: Stacks, nb: int) -> None:
+    def __init__(self, call: Call, send: Send, stacks: Stacks, nb: int) -> None:
         self.call = call
+        self.send = send
         self.stacks = stacks
         self.nb = nb
         self.ready: list[list[torch.Tensor | None]] = [[None] * len(s) for s in stacks.spans]
@@ -232,4 +235,4 @@ class _Watch:
         call = self.call
         while call.launched < self.nb - 1 and self.missing[call.launched] == 0 and not self.sparse:
             b = call.launched
-            call.launch(b, self.stacks.parts(b, self.ready[b]))  # type: ignore[arg-type]
+            call.launch(b, self.stacks.parts(b, self.ready[b]), self.send)  # type: ignore[arg-type]

@@ -2,9 +2,12 @@
 
 ``all_reduce``, ``broadcast``, ``sync_buffers``, and, for sharded data
 parallelism, ``reduce_scatter``, ``all_gather`` and ``shard``. Each plans
-its tree (``_plans``), runs one ``Call`` (``_call``) and rebuilds the tree;
-where eager and traced runs differ (the buffers, the collectives, the
-checks read back) the transport decides, at the leaf.
+its tree (``_plans``, errors naming the tree's paths) and runs one
+collective of its kind on the tree's tensors: plainly, one ``Call``
+(``_call``), where nothing differentiates or batches through it, else as a
+primitive with its rules (``_rules``); then it rebuilds the tree. Where
+eager and traced runs differ (the buffers, the collectives, the checks read
+back) the transport decides, at the leaf.
 """
 
 from __future__ import annotations
@@ -29,18 +32,19 @@ from .._tree import (
     tensor_values,
 )
 from .._typing import Compress, Op, TensorTree
-from ._call import Announced, Call
-from ._group import check_not_transformed, check_src, world_size
-from ._layout import valid_rows
+from ._call import Announced, Call, Request, Send, send_of
+from ._group import check_src, world_size
 from ._options import Options, reduction, weight_value
 from ._plans import Plan, plan_of
+from ._rules import apply, needs_rules, plain
+from ._wire import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Spec, replaced, valid_rows
 
 __all__ = [
     "all_gather",
     "all_reduce",
     "broadcast",
+    "collect",
     "reduce_scatter",
-    "reduce_tree",
     "run",
     "shard",
     "sync_buffers",
@@ -127,14 +131,15 @@ def all_reduce(
         True
     """
     caller = "fr.distributed.all_reduce"
-    options = reduction(caller, "reduce", op, bucket_cap_mb, compress, weighted=weight is not None)
+    options = reduction(
+        caller, ALL_REDUCE, op, bucket_cap_mb, compress, weighted=weight is not None
+    )
     if weight is not None and not (is_compiling() and isinstance(weight, torch.Tensor)):
         weight = weight_value(caller, weight)
     world = world_size(group, caller)
     if world <= 1:
         return tree
-    check_not_transformed(caller)
-    return reduce_tree(tree, options, group, world, caller, check=check, weight=weight)
+    return collect(tree, Spec(options, group, world, caller, check, ()), weight=weight)
 
 
 def reduce_scatter(
@@ -181,47 +186,68 @@ def reduce_scatter(
         True
     """
     caller = "fr.distributed.reduce_scatter"
-    options = reduction(caller, "scatter", op, bucket_cap_mb, compress)
+    options = reduction(caller, REDUCE_SCATTER, op, bucket_cap_mb, compress)
     world = world_size(group, caller)
     if world <= 1:
         return tree
-    check_not_transformed(caller)
-    return reduce_tree(tree, options, group, world, caller, check=check)
+    return collect(tree, Spec(options, group, world, caller, check, ()))
 
 
-def reduce_tree(
-    tree: TensorTree,
-    options: Options,
-    group: Any,
-    world: int,
-    caller: str,
-    *,
-    check: bool,
-    weight: Any = None,
-    sending: bool = True,
-    presummed: bool = False,
+def collect(
+    tree: TensorTree, spec: Spec, *, weight: Any = None, presummed: bool = False
 ) -> TensorTree:
-    """One reduction (or reduce-scatter) of ``tree`` over ``world`` > 1 ranks; errors name ``caller``.
+    """One collective of ``spec``'s kind on ``tree``'s tensors over ``spec.world`` > 1 ranks.
 
-    ``weight``: this rank's in a weighted mean, its tensors multiplied by it
-    unless ``presummed`` (they hold weighted sums already).
+    ``spec.paths`` is filled in from the tree. ``weight``: this rank's in a
+    weighted mean, its tensors multiplied by it unless ``presummed`` (they
+    hold weighted sums already).
     """
-    with Announced(group, world, caller) as scope:
-        plan, leaves = plan_of(tree, options, group, world, caller, check=check)
-        with plan.lock or contextlib.nullcontext():
-            call = scope.call = Call(
-                plan, group, world, caller, check=check, sending=sending, weight=weight
-            )
-            if presummed:
-                call.scale = None
-            results = run(call, plan, plan.tensors(leaves))
-        return plan.rebuild(leaves, results)
+    with Announced(spec.group, spec.world, spec.caller) as scope:
+        plan, leaves = plan_of(
+            tree, spec.options, spec.group, spec.world, spec.caller, check=spec.check
+        )
+        tensors = plan.tensors(leaves)
+        if not needs_rules(tensors, spec.caller):
+            with plan.lock or contextlib.nullcontext():
+                request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
+                call = scope.call = Call(request)
+                send = send_of(request, weight=weight)
+                results = run(call, plan, tensors, replaced(send, scale=None) if presummed else send)
+            return plan.rebuild(leaves, results)
+    # through the rules: the tensors' own calls, announced there (not twice)
+    paths = tuple(plan.layout.description[0][i] for i in plan.layout.unique)
+    ruled = replaced(spec, paths=paths)
+    if weight is None:
+        return plan.rebuild(leaves, apply(ruled, tensors))
+    return plan.rebuild(leaves, _weighted(ruled, tensors, weight, presummed))
+
+
+def _weighted(
+    spec: Spec, tensors: Sequence[torch.Tensor], weight: Any, presummed: bool
+) -> list[torch.Tensor]:
+    """A weighted mean through the rules: the weights summed (a constant), then the tensors'."""
+    caller = spec.caller
+    w = torch.as_tensor(weight, dtype=torch.float64, device=tensors[0].device if tensors else None)
+    total_spec = Spec(
+        Options(ALL_REDUCE.name, "sum", 25.0, None),
+        spec.group,
+        spec.world,
+        caller,
+        spec.check,
+        ("<weights>",),
+    )
+    total = plain(total_spec, [w.reshape(1)])[0]
+    summed = replaced(spec, options=replaced(spec.options, op="sum", weighted=False))
+    scaled = [t if presummed else t * weight for t in tensors]
+    out = apply(summed, scaled)
+    return [torch.where(total == 0, torch.zeros_like(r), r / total.to(r.dtype)) for r in out]
 
 
 def run(
     call: Call,
     plan: Plan,
     tensors: Sequence[Any],
+    send: Send,
     *,
     checksums: Any = None,
     begun: bool = False,
@@ -231,7 +257,7 @@ def run(
         call.begin(checksums)
     layout = plan.layout
     parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
-    call.launch_rest(parts, [tensors[k] for k in layout.sparse])
+    call.launch_rest(parts, send, [tensors[k] for k in layout.sparse])
     return call.finish()
 
 
@@ -281,11 +307,9 @@ def _broadcast(tree: TensorTree, caller: str, src: Any, group: Any, check: bool)
     check_src(caller, src, group)
     if world == 1:
         return tree
-    check_not_transformed(caller)
-    options = Options("reduce", "sum", 25.0, None, src)
     # a sum of src's values and every other rank's neutral -0.0: src's values, bit for bit
-    root = dist.get_rank() == src
-    return reduce_tree(tree, options, group, world, caller, check=check, sending=root)
+    options = Options(BROADCAST.name, "sum", 25.0, None, src)
+    return collect(tree, Spec(options, group, world, caller, check, ()))
 
 
 def sync_buffers(
@@ -337,11 +361,10 @@ def sync_buffers(
     world = world_size(group, caller)
     if world <= 1:
         return buffers
-    check_not_transformed(caller)
     floating = optree.tree_map(_if_floating, buffers, none_is_leaf=True, namespace=NAMESPACE)
     others = optree.tree_map(_unless_floating, buffers, none_is_leaf=True, namespace=NAMESPACE)
-    options = Options("reduce", "mean", 25.0, None)
-    means = reduce_tree(floating, options, group, world, caller, check=True)
+    options = Options(ALL_REDUCE.name, "mean", 25.0, None)
+    means = collect(floating, Spec(options, group, world, caller, True, ()))
     synced = _broadcast(others, caller, src, group, True)
     return optree.tree_map(
         lambda m, s: s if m is None else m, means, synced, none_is_leaf=True, namespace=NAMESPACE
@@ -445,19 +468,32 @@ def all_gather(
     rank, world = _rank_and_world(group, caller)
     if world <= 1:
         return shards
-    check_not_transformed(caller)
-    options = Options("gather", "sum", 25.0, None)
-    with Announced(group, world, caller) as scope:
-        plan, leaves = plan_of(like, options, group, world, caller, check=check)
-        mine = _shard_leaves(shards, like, plan, leaves, rank, world, caller)
-        layout = plan.layout
-        with plan.lock or contextlib.nullcontext():
-            call = scope.call = Call(plan, group, world, caller, check=check)
-            call.begin()
-            call.launch_rest([plan.parts(b, mine) for b in range(len(layout.buckets))])
-            # a 0-dim leaf: a new tensor too, so results never alias the shards given
-            results = call.finish(local=[mine[k].clone() for k in layout.local])
-        return plan.rebuild(leaves, results)
+    options = Options(ALL_GATHER.name, "sum", 25.0, None)
+    return gather(shards, like, Spec(options, group, world, caller, check, ()), rank)
+
+
+def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> TensorTree:
+    """``all_gather`` over ``spec.world`` > 1 ranks (its ``op``: its transpose's)."""
+    with Announced(spec.group, spec.world, spec.caller) as scope:
+        plan, leaves = plan_of(
+            like, spec.options, spec.group, spec.world, spec.caller, check=spec.check
+        )
+        mine = _shard_leaves(shards, like, plan, leaves, rank, spec.world, spec.caller)
+        if not needs_rules(mine, spec.caller):
+            layout = plan.layout
+            with plan.lock or contextlib.nullcontext():
+                request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
+                call = scope.call = Call(request)
+                call.begin()
+                parts = [plan.parts(b, mine) for b in range(len(layout.buckets))]
+                call.launch_rest(parts, send_of(request))
+                # a 0-dim leaf: a new tensor too, so results never alias the shards given
+                results = call.finish(local=[mine[k].clone() for k in layout.local])
+            return plan.rebuild(leaves, results)
+    layout = plan.layout
+    paths = tuple(layout.description[0][i] for i in layout.unique)
+    full = tuple((s[0], s[4]) for s in layout.sigs)
+    return plan.rebuild(leaves, apply(replaced(spec, paths=paths, like=full), mine))
 
 
 def _shard_leaves(

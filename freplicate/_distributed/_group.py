@@ -23,12 +23,10 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
-from .._torch import transform_level
 
 __all__ = [
     "CommError",
     "ProtocolError",
-    "check_not_transformed",
     "check_src",
     "collective",
     "comm_device",
@@ -121,16 +119,6 @@ def comm_device(group: Any) -> torch.device:
     if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def check_not_transformed(caller: str) -> None:
-    """``RuntimeError`` under a ``torch.func`` transform, where no collective can run."""
-    if transform_level() is not None:
-        raise RuntimeError(
-            f"{caller}: cannot run under a torch.func transform (vmap, grad, jvp ...): "
-            "torch.distributed collectives have no batching or differentiation rule; call "
-            "fr.grad_and_value inside the transform and fr.distributed.all_reduce outside it"
-        )
 
 
 class collective:  # lower case, as the context manager function it replaced

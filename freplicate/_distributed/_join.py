@@ -20,15 +20,16 @@ import torch
 
 from . import _carry as carry
 from ._call import Announced
-from ._collectives import reduce_tree
+from ._collectives import collect
 from ._group import comm_device, world_size
 from ._options import Options
+from ._wire import ALL_REDUCE, Spec
 
 __all__ = ["join"]
 
 T = TypeVar("T")
 _END: Any = object()  # the end of this rank's items
-_MORE = Options("reduce", "sum", 25.0, None)
+_MORE = Options(ALL_REDUCE.name, "sum", 25.0, None)
 
 
 def join(iterable: Iterable[T], *, group: Any = None) -> Iterator[T | None]:
@@ -122,7 +123,7 @@ def _settle(joining: carry.Joining, group: Any, world: int, caller: str) -> bool
     """Whether any rank has a next item: read from the reduction that carried the bit, or asked."""
     if joining.total is None:  # no reduction carried it: one of its own, which carries it
         more = torch.tensor([float(joining.bit or 0)], device=comm_device(group))
-        out = reduce_tree({"more": more}, _MORE, group, world, caller, check=True)
+        out = collect({"more": more}, Spec(_MORE, group, world, caller, True, ()))
         joining.settle(bool(out["more"].item() > 0))
     assert joining.total is not None
     return joining.total

@@ -1,36 +1,27 @@
 """Layouts: a tree's tensors cut into buckets, one pure description shared by every path.
 
 A *layout* is what fr.distributed knows of a tree to move it: which leaves
-are tensors (a tied tensor once), their shapes and dtypes, the buckets they
-travel in, where each lies in its bucket, and the fingerprint that ranks
-compare. It is plain data (tuples, ints, dtypes) built from the leaves'
-signatures alone, so the eager path caches it and the traced path has Dynamo
-bake it into the graph: one layout for ``all_reduce``, ``broadcast``,
-``reduce_scatter`` and ``all_gather``, eager and compiled, and one text for
-what differs between two ranks' layouts.
+are tensors (a tied tensor once), their shapes, dtypes and memory orders,
+the buckets they travel in, where each lies in its bucket, and the
+fingerprint that ranks compare. It is plain data (tuples, ints, dtypes)
+built from the leaves' signatures alone, so the eager path caches it and the
+traced path has Dynamo bake it into the graph: one layout for every kind of
+collective, eager and compiled, and one text for what differs between two
+ranks' layouts. How a bucket is laid out in its buffer is its kind's
+(``_wire``); which tensors share a bucket is decided here.
 
 Buckets follow DDP's: dense tensors in the reverse of the leaves' order (the
 order gradients become ready), per (device, dtype), cut as DDP cuts them
 (a bucket closes once it reaches ``bucket_cap_mb``; at the default cap the
 first holds 1 MiB, so that it starts early and its flag words (``_flags``)
-come back soon). Within a bucket, tensors of
-one shape sit side by side (a *run*: one stack packs them, one unbind views
-them back).
-
-A bucket travels as *chunks*. For a reduction (kind ``"reduce"``) there is
-one: every tensor whole, then the flag words. For ``"scatter"`` and
-``"gather"`` over W ranks, each tensor is cut into W chunks of rows, as
-``torch.chunk`` cuts it (c = ceil(d0 / W) rows each, the last ones padded with
-zeros), and the buffer holds W rank chunks, rank-major: chunk r holds rows
-[r*c, (r+1)*c) of every tensor, then the flag words (FSDP2's copy-in). A
-0-dim tensor is held whole by every rank: in a reduce-scatter its value
-stands in every chunk; an all-gather leaves it where it is.
+come back soon). The kind, the options and every tensor's signature are part
+of the fingerprint: calls that differ in any of them never meet in a
+collective as if they were one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -39,95 +30,72 @@ import torch
 from .._pack import group_by
 from . import _flags
 from ._options import Options
+from ._wire import Bucket, Kind, Run
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
-    "Bucket",
     "First",
     "Layout",
-    "Run",
     "Sig",
+    "Tree",
     "build",
     "difference",
-    "valid_rows",
 ]
 
 # DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``), at its default cap
 FIRST_BUCKET_BYTES = 1024 * 1024
 DEFAULT_CAP_MB = 25.0
 
-#: a tensor leaf's signature: (shape, dtype, device, layout)
-Sig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout]
+#: a tensor leaf's signature: (shape, dtype, device, layout, memory order (``None``: contiguous))
+Sig = tuple[tuple[int, ...], torch.dtype, torch.device, torch.layout, "tuple[int, ...] | None"]
 
 
-class Run(NamedTuple):
-    """Consecutive tensors of one shape in a bucket: where they lie in each chunk."""
+class Tree(NamedTuple):
+    """What a layout is built from: a tree's leaves as paths and signatures.
 
-    shape: tuple[int, ...]
-    n: int  # how many tensors
-    rows: int  # rows of each tensor in one chunk (the whole first dim for a reduction)
-    start: int  # offset of the run in a chunk
-    width: int  # elements of the run in one chunk
+    ``sigs[i]`` is ``None`` for a leaf that is not a tensor; ``slot[i]``: the
+    tensor leaf ``i`` holds (``-1``: not a tensor), tied leaves sharing one,
+    ``None`` when every leaf is a tensor of its own; ``whole``: per tensor,
+    whether every rank holds it whole (``None``: the 0-dim ones).
+    """
 
-    @property
-    def row(self) -> tuple[int, ...]:
-        """The shape of one row (``()`` for a 0-dim tensor, whose value is one row)."""
-        return self.shape[1:]
-
-
-class Bucket(NamedTuple):
-    """One bucket: its tensors (positions in ``Layout.sigs``) and its flat buffer's shape."""
-
-    members: tuple[int, ...]
-    runs: tuple[Run, ...]
-    dtype: torch.dtype  # the tensors'
-    comm: torch.dtype  # what the buffer travels in
-    device: torch.device
-    maximum: bool  # reduced with MAX (booleans, as uint8: a logical or) instead of SUM
-    extra: int  # flag words at the end of each chunk
-    chunk: int  # elements of one chunk: its runs, then the flag words
-    chunks: int  # chunks in the full buffer: 1 for a reduction, W for scatter and gather
-    widths: tuple[int, ...]  # a chunk cut in its runs, then the words (``split_with_sizes``)
-
-    @property
-    def data(self) -> int:
-        """Elements of a chunk before its flag words."""
-        return self.chunk - self.extra
+    paths: Sequence[str]
+    sigs: Sequence[Sig | None]
+    slot: Sequence[int] | None = None
+    whole: Sequence[bool] | None = None
 
 
 class First(NamedTuple):
     """A layout's first collective: what a rank on another layout mirrors (``_agree``)."""
 
-    kind: str
-    chunk: int
-    chunks: int
-    comm: torch.dtype
-    device: torch.device
-    maximum: bool
+    kind: Kind
+    bucket: Bucket
 
 
 class Layout(NamedTuple):
     """A tree's layout for one kind of call with given options (see the module's text)."""
 
     options: Options
-    world: int  # the ranks the chunks are cut for (1 for a reduction)
+    world: int  # the chunks a bucket travels as (1 for a reduction)
     leaves: int  # how many leaves the tree has
     unique: tuple[int, ...]  # the leaf of each tensor (the first position of a tied one)
-    slot: (
-        tuple[int, ...] | None
-    )  # per leaf, its tensor (-1: not a tensor); None: leaf i is tensor i
+    slot: tuple[int, ...] | None  # per leaf, its tensor (-1: none); None: leaf i is tensor i
     sigs: tuple[Sig, ...]  # per tensor
+    whole: tuple[bool, ...]  # per tensor: held whole by every rank
     sparse: tuple[int, ...]  # tensors reduced one by one after the buckets (sparse COO)
-    local: tuple[int, ...]  # tensors that stay as they are (0-dim ones in an all-gather)
+    local: tuple[int, ...]  # tensors that stay as they are (held whole, in an all-gather)
     buckets: tuple[Bucket, ...]
-    order: tuple[int, ...]  # the tensor of each result: bucket by bucket, then sparse, local
+    arrival: tuple[int, ...]  # the tensor of each result: bucket by bucket, then sparse, local
     fingerprint: int
-    description: tuple[Any, ...]  # what ranks compare: paths, signatures, ties, options
+    description: tuple[Any, ...]  # what ranks compare: paths, signatures, ties, kind, options
+
+    @property
+    def kind(self) -> Kind:
+        return self.options.collective
 
     @property
     def first(self) -> First:
-        b = self.buckets[0]
-        return First(self.options.kind, b.chunk, b.chunks, b.comm, b.device, b.maximum)
+        return First(self.options.collective, self.buckets[0])
 
     def speculates(self, world: int) -> bool:
         """Whether calls may take the fast path, the check in the first bucket's words.
@@ -139,29 +107,10 @@ class Layout(NamedTuple):
         return b.comm.itemsize > 1 or b.maximum or world < 256
 
 
-def valid_rows(rows: int, d0: int, rank: int) -> int:
-    """How many of a chunk's ``rows`` hold rows of a tensor of ``d0`` rows on ``rank``.
+def build(tree: Tree, options: Options, world: int, caller: str, words: torch.device) -> Layout:
+    """The layout of a tree of these leaves for ``options`` over ``world`` ranks.
 
-    >>> [valid_rows(2, 5, r) for r in range(4)]
-    [2, 2, 1, 0]
-    """
-    return max(0, min(rows, d0 - rank * rows))
-
-
-def build(
-    paths: Sequence[str],
-    leaf_sigs: Sequence[Sig | None],
-    slot: Sequence[int] | None,
-    options: Options,
-    world: int,
-    caller: str,
-    words: torch.device,
-) -> Layout:
-    """The layout of a tree whose leaves have these paths and signatures (``None``: not a tensor).
-
-    ``slot[i]``: the tensor leaf ``i`` holds (``-1``: not a tensor), tied
-    leaves sharing one; ``None`` when every leaf is a tensor of its own.
-    ``world``: the group's size (it cuts the chunks of scatter and gather).
+    ``world``: the group's size (it cuts the chunks of the rowed kinds);
     ``words``: where the flag words travel when no tensor is bucketed (a
     bucket of words only: every call has one, so that its words, failure
     and retry included, always reach every rank).
@@ -171,83 +120,83 @@ def build(
             or, in a reduction, sparse COO; the meta device), or an integer
             or bool tensor in a mean, named by its path.
     """
-    if slot is None:
-        unique: tuple[int, ...] = tuple(range(len(leaf_sigs)))
-    else:
-        firsts: dict[int, int] = {}
-        for i, s in enumerate(slot):
-            if s >= 0:
-                firsts.setdefault(s, i)
-        unique = tuple(firsts[s] for s in range(len(firsts)))
-    sigs = tuple(_tensor_sig(leaf_sigs[i]) for i in unique)
-    _check(sigs, [paths[i] for i in unique], options, caller)
-    chunks = 1 if options.kind == "reduce" else world
+    unique = _unique(tree)
+    kind = options.collective
+    sigs = tuple(_tensor_sig(tree.sigs[i], kind) for i in unique)
+    whole = tuple(tree.whole) if tree.whole is not None else tuple(not s[0] for s in sigs)
+    _check(sigs, [tree.paths[i] for i in unique], options, caller)
+    chunks = kind.chunks(world)
     sparse = tuple(k for k, s in enumerate(sigs) if s[3] == torch.sparse_coo)
-    local = tuple(k for k, s in enumerate(sigs) if options.kind == "gather" and not s[0])
+    local = tuple(k for k in range(len(sigs)) if kind.gathers and whole[k])
     outside = set(sparse) | set(local)
     dense = [k for k in range(len(sigs)) if k not in outside]
     cuts = _cuts(sigs, dense[::-1], options, chunks)
-    made = []
-    for b, (members, comm) in enumerate(cuts):
-        made.append(_bucket(sigs, members, comm, _flags.extra(b, len(cuts) - 1), chunks))
+    made = [
+        _bucket(sigs, whole, members, comm, _flags.extra(b, len(cuts) - 1), chunks, kind)
+        for b, (members, comm) in enumerate(cuts)
+    ]
     if not made:
-        device = sigs[sparse[0]][2] if sparse else words
-        made.append(
-            Bucket(
-                (),
-                (),
-                torch.float32,
-                torch.float32,
-                device,
-                False,
-                _flags.FIRST,
-                _flags.FIRST,
-                chunks,
-                (_flags.FIRST,),
-            )
-        )
-    order = tuple(k for bucket in made for k in bucket.members) + sparse + local
-    description = (
-        tuple(paths),
-        tuple(
-            None if s is None else (tuple(s[0]), str(s[1]), s[2].type, str(s[3])) for s in leaf_sigs
-        ),
-        None if slot is None else tuple(slot),
-        options.describe(),
-    )
+        made.append(_words_only(sigs[sparse[0]][2] if sparse else words, chunks))
+    description = _description(tree, whole, options)
     digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
     return Layout(
         options=options,
         world=chunks,
-        leaves=len(leaf_sigs),
+        leaves=len(tree.sigs),
         unique=unique,
-        slot=None if slot is None else tuple(slot),
+        slot=None if tree.slot is None else tuple(tree.slot),
         sigs=sigs,
+        whole=whole,
         sparse=sparse,
         local=local,
         buckets=tuple(made),
-        order=order,
+        arrival=tuple(k for bucket in made for k in bucket.members) + sparse + local,
         fingerprint=int.from_bytes(digest, "little") >> 1,  # fits an int64
         description=description,
     )
 
 
-def _tensor_sig(sig: Sig | None) -> Sig:
+def _unique(tree: Tree) -> tuple[int, ...]:
+    """The leaf of each tensor: every tensor leaf, a tied one at its first position."""
+    if tree.slot is None:
+        return tuple(range(len(tree.sigs)))
+    firsts: dict[int, int] = {}
+    for i, s in enumerate(tree.slot):
+        if s >= 0:
+            firsts.setdefault(s, i)
+    return tuple(firsts[s] for s in range(len(firsts)))
+
+
+def _tensor_sig(sig: Sig | None, kind: Kind) -> Sig:
     assert sig is not None  # ``unique`` lists tensors only
-    return sig
+    order = kind.keeps(sig[4])
+    return sig if order == sig[4] else (*sig[:4], order)  # type: ignore[return-value]
+
+
+def _description(tree: Tree, whole: tuple[bool, ...], options: Options) -> tuple[Any, ...]:
+    """What ranks compare (and hash): paths, signatures, ties, held-whole tensors, kind, options."""
+    sigs = tuple(
+        None if s is None else (tuple(s[0]), str(s[1]), s[2].type, str(s[3]), s[4])
+        for s in tree.sigs
+    )
+    slot = None if tree.slot is None else tuple(tree.slot)
+    return (tuple(tree.paths), sigs, slot, whole, options.kind, options.describe())
+
+
+def _words_only(device: torch.device, chunks: int) -> Bucket:
+    """A bucket of flag words only (a call without dense tensors)."""
+    f = _flags.FIRST
+    return Bucket((), (), torch.float32, torch.float32, device, False, f, f, chunks, (f,))
 
 
 def _check(sigs: Sequence[Sig], paths: Sequence[str], options: Options, caller: str) -> None:
-    for (_, dtype, device, layout), path in zip(sigs, paths):
-        if layout != torch.strided and not (
-            layout == torch.sparse_coo and options.kind == "reduce"
-        ):
-            kind = (
-                "" if options.kind == "reduce" else f" (a {options.kind} takes dense tensors only)"
-            )
+    kind = options.collective
+    for (_, dtype, device, layout, _), path in zip(sigs, paths):
+        if layout != torch.strided and not (layout == torch.sparse_coo and kind.takes_sparse):
+            dense = "" if kind.takes_sparse else f" (a {kind.name} takes dense tensors only)"
             raise TypeError(
                 f"{caller}: the tensor at {path} has layout {layout}, which cannot be packed into "
-                f"a flat buffer{kind}; convert it (e.g. .to_dense()) or keep it out of the tree"
+                f"a flat buffer{dense}; convert it (e.g. .to_dense()) or keep it out of the tree"
             )
         if device.type == "meta":
             raise TypeError(
@@ -256,21 +205,13 @@ def _check(sigs: Sequence[Sig], paths: Sequence[str], options: Options, caller: 
             )
         if (
             options.op == "mean"
-            and options.kind != "gather"
+            and kind.divides
             and not (dtype.is_floating_point or dtype.is_complex)
         ):
             raise TypeError(
                 f"{caller}: op='mean' needs floating-point or complex leaves, but the leaf at "
                 f"{path} is {dtype}; use op='sum' or convert it"
             )
-
-
-def _region(shape: tuple[int, ...], chunks: int) -> tuple[int, int]:
-    """``(rows, elements)`` of one tensor of ``shape`` in one chunk."""
-    if not shape:
-        return 1, 1
-    rows = shape[0] if chunks == 1 else -(-shape[0] // chunks)
-    return rows, rows * math.prod(shape[1:])
 
 
 def _comm(dtype: torch.dtype, options: Options) -> torch.dtype:
@@ -297,11 +238,13 @@ def _cuts(
     first = FIRST_BUCKET_BYTES if options.bucket_cap_mb == DEFAULT_CAP_MB else options.cap_bytes
     open_: dict[Any, tuple[list[int], int, int]] = {}  # per kind: members, bytes, closed so far
     closed: list[list[int]] = []
+    kind = options.collective
     for k in order:
-        _, dtype, device, _ = sigs[k]
+        shape, dtype, device, _, _ = sigs[k]
         members, size, nth = open_.get((device, dtype), ([], 0, 0))
         members.append(k)
-        size += chunks * _region(sigs[k][0], chunks)[1] * _comm(dtype, options).itemsize
+        cell = kind.cell(shape, not shape, chunks)
+        size += chunks * _numel(cell) * _comm(dtype, options).itemsize
         if size >= (first if nth == 0 else options.cap_bytes):
             closed.append(members)
             members, size, nth = [], 0, nth + 1
@@ -309,22 +252,37 @@ def _cuts(
     out = []
     for members in closed + [m for m, _, _ in open_.values() if m]:
         # equal shapes side by side: one stack packs them, one unbind views them back
-        by_shape = group_by(members, lambda k: sigs[k][0])
+        by_shape = group_by(members, lambda k: (sigs[k][0], sigs[k][4]))
         grouped = [members[p] for same in by_shape.values() for p in same]
         out.append((grouped, _comm(sigs[members[0]][1], options)))
     return out
 
 
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def _bucket(
-    sigs: Sequence[Sig], members: list[int], comm: torch.dtype, extra: int, chunks: int
+    sigs: Sequence[Sig],
+    whole: Sequence[bool],
+    members: list[int],
+    comm: torch.dtype,
+    extra: int,
+    chunks: int,
+    kind: Kind,
 ) -> Bucket:
+    _, dtype, device, _, _ = sigs[members[0]]
     runs: list[Run] = []
     start = 0
-    for shape, count in _runs_of([sigs[k][0] for k in members]):
-        rows, size = _region(shape, chunks)
-        runs.append(Run(shape, count, rows, start, count * size))
-        start += count * size
-    _, dtype, device, _ = sigs[members[0]]
+    for (shape, order, held), count in _runs_of(
+        [(sigs[k][0], sigs[k][4], whole[k]) for k in members]
+    ):
+        run = kind.run(shape, order, held, count, start, chunks, (dtype, comm))
+        runs.append(run)
+        start += run.width
     return Bucket(
         members=tuple(members),
         runs=tuple(runs),
@@ -336,16 +294,17 @@ def _bucket(
         chunk=start + extra,
         chunks=chunks,
         widths=(*(run.width for run in runs), extra),
+        gathered=kind.gathered(runs, chunks, dtype),
     )
 
 
-def _runs_of(shapes: Sequence[tuple[int, ...]]) -> list[tuple[tuple[int, ...], int]]:
-    out: list[tuple[tuple[int, ...], int]] = []
-    for s in shapes:
-        if out and out[-1][0] == s:
-            out[-1] = (s, out[-1][1] + 1)
+def _runs_of(keys: Sequence[Any]) -> list[tuple[Any, int]]:
+    out: list[tuple[Any, int]] = []
+    for key in keys:
+        if out and out[-1][0] == key:
+            out[-1] = (key, out[-1][1] + 1)
         else:
-            out.append((s, 1))
+            out.append((key, 1))
     return out
 
 
@@ -359,14 +318,19 @@ def difference(
 
     The same text eager and compiled: every mismatch error names it.
     """
-    caller_a, (paths_a, sigs_a, slot_a, opts_a) = mine
-    caller_b, (paths_b, sigs_b, slot_b, opts_b) = theirs
+    caller_a, (paths_a, sigs_a, slot_a, whole_a, kind_a, opts_a) = mine
+    caller_b, (paths_b, sigs_b, slot_b, whole_b, kind_b, opts_b) = theirs
     on = f"on rank {rank}"
     there = f"on rank {other}"
     if caller_a != caller_b:
         return (
             f"ranks called different functions: {caller_a} {on}, {caller_b} {there}; "
             "every rank must make the same calls in the same order"
+        )
+    if kind_a != kind_b:
+        return (
+            f"ranks called different collectives: {kind_a} {on}, {kind_b} {there} (e.g. "
+            "shard=True on one rank only); every rank must make the same calls in the same order"
         )
     if opts_a != opts_b:
         return (
@@ -377,24 +341,42 @@ def difference(
     structure = _structure(paths_a, sigs_a, on, paths_b, sigs_b, there)
     if structure is not None:
         return f"the tree's structure differs across ranks: {structure}; every rank must pass a tree of the same structure"
-    for path, a, b in zip(paths_a, sigs_a, sigs_b):
-        if a is not None and a[3] != b[3]:
-            return (
-                f"the tensor at {path} differs across ranks: layout {a[3]} {on}, {b[3]} {there}; "
-                "every rank must pass tensors of the same layouts"
-            )
-        if a != b:
-            return (
-                f"the tensor at {path} differs across ranks: shape {a[0]}, dtype {a[1]} {on}; "
-                f"shape {b[0]}, dtype {b[1]} {there}; every rank must pass tensors of the same "
-                "shapes and dtypes"
-            )
+    tensors = _tensors(paths_a, sigs_a, on, sigs_b, there)
+    if tensors is not None:
+        return f"the tensor at {tensors}"
     if slot_a != slot_b:
         return (
             "tied (aliased) leaves differ across ranks: the same tensor object sits at "
             f"different positions of the tree {on} and {there}"
         )
+    if whole_a != whole_b:
+        return f"the tensors held whole by every rank differ across ranks: {whole_a} {on}, {whole_b} {there}"
     return "the tree layout differs across ranks"  # pragma: no cover
+
+
+def _tensors(
+    paths: Sequence[str], sigs_a: Sequence[Any], on: str, sigs_b: Sequence[Any], there: str
+) -> str | None:
+    """The first tensor whose signature differs, and how (after the structure agreed)."""
+    for path, a, b in zip(paths, sigs_a, sigs_b):
+        if a is None or a == b:
+            continue
+        if a[3] != b[3]:
+            return (
+                f"{path} differs across ranks: layout {a[3]} {on}, {b[3]} {there}; every rank "
+                "must pass tensors of the same layouts"
+            )
+        if a[:3] == b[:3]:
+            return (
+                f"{path} differs across ranks in memory format: dims in memory order {a[4]} {on}, "
+                f"{b[4]} {there} (None: contiguous); every rank must pass tensors of the same "
+                "memory format (e.g. channels_last on every rank)"
+            )
+        return (
+            f"{path} differs across ranks: shape {a[0]}, dtype {a[1]} {on}; shape {b[0]}, dtype "
+            f"{b[1]} {there}; every rank must pass tensors of the same shapes and dtypes"
+        )
+    return None
 
 
 def _structure(

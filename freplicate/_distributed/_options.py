@@ -1,33 +1,30 @@
 """A call's options: what every rank must pass alike, checked once, carried as one value.
 
 ``Options`` is part of every layout (``_layout``): two ranks that pass
-different options run different layouts, and the layout check names the
-difference. ``check`` is not among them: it decides whether the check runs.
+different options (or call different kinds of collective) run different
+layouts, and the layout check names the difference. ``check`` is not among
+them: it decides whether the check runs.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from .._checks import check_choice, check_op, check_positive
 from .._typing import Compress, Op
+from ._wire import KINDS, Kind
 
 __all__ = [
     "COMPRESS",
-    "Kind",
     "Options",
     "check_weighted",
     "reduction",
     "weight_value",
 ]
-
-#: what a call's buckets go through: an all-reduce (``all_reduce``, ``broadcast``, gradients),
-#: a reduce-scatter (``reduce_scatter``, sharded gradients) or an all-gather (``all_gather``)
-Kind = Literal["reduce", "scatter", "gather"]
 
 COMPRESS: dict[Compress, torch.dtype | None] = {
     None: None,
@@ -39,17 +36,22 @@ COMPRESS: dict[Compress, torch.dtype | None] = {
 class Options(NamedTuple):
     """The options of one call, as every rank must pass them."""
 
-    kind: Kind
-    op: Op
+    kind: str  # the collective's name: ``collective`` is the object (``_wire``)
+    op: Op  # an all-gather's is its transpose's
     bucket_cap_mb: float
     compress: Compress
     src: int | None = None  # broadcast's source rank (global); None for every other call
     weighted: bool = False  # a weighted mean: every rank sends a weight
 
+    @property
+    def collective(self) -> Kind:
+        """The kind of collective (``_wire``): its format, transport and rules."""
+        return KINDS[self.kind]
+
     def describe(self) -> str:
         """The options named as the public functions' keywords.
 
-        >>> Options("reduce", "mean", 25.0, None).describe()
+        >>> Options("all_reduce", "mean", 25.0, None).describe()
         "(op='mean', bucket_cap_mb=25.0, compress=None, src=None, weighted=False)"
         """
         names = ("op", "bucket_cap_mb", "compress", "src", "weighted")
@@ -74,7 +76,7 @@ def reduction(
     check_choice(caller, "compress", compress, tuple(COMPRESS))
     if weighted:
         check_weighted(caller, op)
-    return Options(kind, op, float(bucket_cap_mb), compress, None, weighted)
+    return Options(kind.name, op, float(bucket_cap_mb), compress, None, weighted)
 
 
 def check_weighted(caller: str, op: Any) -> None:

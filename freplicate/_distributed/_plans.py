@@ -34,14 +34,25 @@ from .._tree import NAMESPACE, alias_groups, flatten_in_order, paths_of, picker,
 from .._typing import TensorTree
 from . import _store
 from ._group import comm_device
-from ._layout import Layout, Sig, build
+from ._layout import Layout, Sig, Tree, build
 from ._options import Options
 from ._transport import Pools
+from ._wire import Spec, order_of
 
-__all__ = ["Plan", "clear_plans", "plan_of"]
+__all__ = ["Plan", "clear_plans", "plan_for", "plan_of"]
 
 _CACHE_SIZE = 16
-_SIG = operator.attrgetter("shape", "dtype", "device", "layout")
+_BASE = operator.attrgetter("shape", "dtype", "device", "layout")
+_IS_CONTIGUOUS = torch.Tensor.is_contiguous
+
+
+def _sigs(tensors: Sequence[torch.Tensor]) -> tuple[Sig, ...]:
+    """The tensors' signatures, at C speed where every one is contiguous (the common case)."""
+    if all(map(_IS_CONTIGUOUS, tensors)):
+        return tuple((*_BASE(t), None) for t in tensors)
+    return tuple((*_BASE(t), order_of(t)) for t in tensors)
+
+
 _DICT = object()  # marks a key made from a plain dict's keys
 _LOCK = threading.Lock()
 
@@ -82,11 +93,11 @@ class Plan:
         self.spec = spec
         self.keys = keys
         self.bare = layout.slot is None  # every leaf a tensor of its own
-        inverse = [0] * len(layout.order)
-        for j, k in enumerate(layout.order):
+        inverse = [0] * len(layout.arrival)
+        for j, k in enumerate(layout.arrival):
             inverse[k] = j
         self.reorder = picker(inverse)  # results in arrival order -> tensor order
-        self.pools = [Pools(b, layout.options.kind) for b in layout.buckets] if eager else []
+        self.pools = [Pools(b, layout.kind) for b in layout.buckets] if eager else []
         self.lock = threading.RLock() if eager else None
         self.stacks: dict[bool, Any] = {}
         self.never_stack = False  # the layout met a sparse gradient in a stack (``_backward``)
@@ -106,7 +117,7 @@ class Plan:
         """An empty tensor for each sparse one, as a rank that sends nothing sends it."""
         out = []
         for k, dims in zip(self.layout.sparse, self.dims):
-            shape, dtype, device, _ = self.layout.sigs[k]
+            shape, dtype, device, _, _ = self.layout.sigs[k]
             indices = torch.empty(dims, 0, dtype=torch.int64, device=device)
             values = torch.empty(0, *shape[dims:], dtype=dtype, device=device)
             out.append(torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True))
@@ -140,39 +151,58 @@ def plan_of(
     """
     if is_compiling():
         return _traced(tree, options, group, world, caller, check)
-    chunks = 1 if options.kind == "reduce" else world
+    chunks = options.collective.chunks(world)
     values = tensor_values(tree)
     if values is not None and len(set(map(id, values))) == len(values):
-        key: tuple[Any, ...] = (_DICT, tuple(tree), tuple(map(_SIG, values)), options, chunks)
+        sigs = _sigs(values)
+        key: tuple[Any, ...] = (_DICT, tuple(tree), sigs, options, chunks)
         plan = _PLANS.get(key)
         if plan is None:
             keys = tuple(tree)
-            paths = [f"[{k!r}]" for k in keys]
-            layout = build(
-                paths, [_SIG(v) for v in values], None, options, chunks, caller, comm_device(group)
-            )
+            described = Tree([f"[{k!r}]" for k in keys], sigs)
+            layout = build(described, options, chunks, caller, comm_device(group))
             plan = _remember(key, Plan(layout, None, keys, eager=True, tensors=values))
         return plan, values
     leaves, spec = flatten_in_order(tree)
     unique, slot = alias_groups(leaves)
     bare = len(unique) == len(leaves)
-    sigs = tuple(_SIG(x) if isinstance(x, torch.Tensor) else None for x in leaves)
-    key = (spec, sigs, None if bare else tuple(slot), options, chunks)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+    orders = iter([s[4] for s in _sigs(tensors)])
+    signed: tuple[Sig | None, ...] = tuple(
+        (*_BASE(x), next(orders)) if isinstance(x, torch.Tensor) else None for x in leaves
+    )
+    key = (spec, signed, None if bare else tuple(slot), options, chunks)
     plan = _PLANS.get(key)
     if plan is None:
-        layout = build(
-            paths_of(spec),
-            sigs,
-            None if bare else slot,
-            options,
-            chunks,
-            caller,
-            comm_device(group),
-        )
+        described = Tree(paths_of(spec), signed, None if bare else slot)
+        layout = build(described, options, chunks, caller, comm_device(group))
         plan = _remember(
             key, Plan(layout, spec, None, eager=True, tensors=[leaves[i] for i in layout.unique])
         )
     return plan, leaves
+
+
+def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
+    """The plan of a call of ``spec`` on ``tensors`` (distinct ones): what a rule runs.
+
+    Its layout is that of the caller's tree, flattened: ``spec.paths`` name
+    the tensors; an all-gather's full shapes are ``spec.like``'s.
+    """
+    sigs = _sigs(tensors)
+    if spec.like is not None:
+        sigs = tuple((shape, *s[1:4], order) for s, (shape, order) in zip(sigs, spec.like))
+    whole = spec.wholes([s[0] for s in sigs])
+    described = Tree(spec.paths, sigs, None, whole)
+    options, world, caller = spec.options, spec.world, spec.caller
+    if is_compiling():
+        layout = _layout_traced(described, options, spec.group, world, caller, spec.check)
+        return Plan(layout, None, None, eager=False)
+    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world))
+    plan = _PLANS.get(key)
+    if plan is None:
+        layout = build(described, options, world, caller, comm_device(spec.group))
+        plan = _remember(key, Plan(layout, None, None, eager=True, tensors=tensors))
+    return plan
 
 
 def _remember(key: Any, plan: Plan) -> Plan:
@@ -225,16 +255,25 @@ def _traced(
         paths = tuple(a.codify("") or "<root>" for a in accessors)
     sigs = tuple(map(_traced_sig, leaves))
     unique, slot = alias_groups(leaves)
-    bare = len(unique) == len(leaves)
+    ties = None if len(unique) == len(leaves) else tuple(slot)
+    layout = _layout_traced(Tree(paths, sigs, ties), options, group, world, caller, check)
+    return Plan(layout, spec, keys, eager=False), leaves
+
+
+def _layout_traced(
+    tree: Tree, options: Options, group: Any, world: int, caller: str, check: bool
+) -> Layout:
+    """The layout, built and checked across ranks once per trace (``_layout_now``), or its error."""
     pg = dist.group.WORLD if group is None else group
-    chunks = 1 if options.kind == "reduce" else world
     name = pg.group_name  # type: ignore[union-attr]
-    ties = None if bare else tuple(slot)
-    answer = _layout_now(caller, name, check, paths, sigs, ties, tuple(options), chunks)
+    whole = None if tree.whole is None else tuple(tree.whole)
+    described = (tuple(tree.paths), tuple(tree.sigs), tree.slot, whole)
+    fields = tuple(options)
+    answer = _layout_now(caller, name, check, described, fields, world)
     if isinstance(answer, Refused):  # the layout's own error, or the check's
         graph_break(answer.message)
         raise _ERRORS[answer.kind](answer.message)
-    return Plan(answer, spec, keys, eager=False), leaves
+    return answer
 
 
 def _traced_sig(x: Any) -> Sig | None:
@@ -246,7 +285,9 @@ def _traced_sig(x: Any) -> Sig | None:
     """
     if not isinstance(x, torch.Tensor):
         return None
-    return (tuple(map(operator.index, x.shape)), x.dtype, x.device, x.layout)
+    shape = tuple(map(operator.index, x.shape))
+    order = None if x.is_contiguous() else order_of(x)
+    return (shape, x.dtype, x.device, x.layout, order)
 
 
 @assume_constant_result
@@ -254,32 +295,30 @@ def _layout_now(
     caller: str,
     group_name: str,
     check: bool,
-    paths: tuple[str, ...],
-    sigs: tuple[Sig | None, ...],
-    slot: tuple[int, ...] | None,
+    described: tuple[Any, ...],
     fields: tuple[Any, ...],
     world: int,
 ) -> Layout | Refused:
     """The layout, checked across ranks, or why not (``Refused``).
 
     Runs in plain Python while Dynamo traces (see the module's text); its
-    arguments come as plain constants (``fields``: the ``Options``' values).
+    arguments come as plain constants (``described``: a ``Tree``'s fields;
+    ``fields``: the ``Options``' values).
     """
     options = Options(*fields)
-    key = (paths, sigs, slot, options, world)
+    tree = Tree(*described)
+    key = (described, options, world)
     layout = _LAYOUTS.get(key)
     if layout is None:
         try:
-            layout = build(
-                paths, sigs, slot, options, world, caller, comm_device(resolve_group(group_name))
-            )
+            layout = build(tree, options, world, caller, comm_device(resolve_group(group_name)))
         except TypeError as err:
             return Refused("type", str(err))
         if layout.sparse:
             return Refused(
                 "type",
                 f"{caller}: under torch.compile, sparse tensors cannot travel (the one at "
-                f"{paths[layout.unique[layout.sparse[0]]]}); reduce them eagerly",
+                f"{tree.paths[layout.unique[layout.sparse[0]]]}); reduce them eagerly",
             )
         _LAYOUTS[key] = layout
         while len(_LAYOUTS) > _CACHE_SIZE:

@@ -16,7 +16,6 @@ local gradients as a tree instead.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
@@ -30,16 +29,17 @@ from .._tree import NAMESPACE, flatten_in_order, tensor_values
 from .._typing import Compress, Op, TensorTree
 from ._agree import sparse_gradients
 from ._backward import Attempt, Differentiated, overlapped
-from ._call import Announced, Call, Redo
-from ._collectives import reduce_tree, run
-from ._group import check_not_transformed, world_size
-from ._options import Kind, Options, check_weighted, reduction, weight_value
+from ._call import Announced, Call, Redo, Request, Send, send_of
+from ._collectives import collect, run
+from ._group import world_size
+from ._options import Options, check_weighted, reduction, weight_value
 from ._plans import Plan, plan_of
+from ._rules import needs_rules
+from ._wire import ALL_REDUCE, REDUCE_SCATTER, Spec, replaced
 
 __all__ = ["Step", "grad_and_value"]
 
 _CALLER = "fr.distributed.grad_and_value"
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Step:
@@ -68,7 +68,7 @@ class Step:
     ) -> None:
         if not callable(fn):
             raise TypeError(f"{_CALLER}: fn must be callable, got {type(fn).__name__}")
-        kind: Kind = "scatter" if shard else "reduce"
+        kind = REDUCE_SCATTER if shard else ALL_REDUCE
         self.options: Options = reduction(_CALLER, kind, op, bucket_cap_mb, compress)
         if isinstance(argnums, bool) or not isinstance(argnums, int):
             raise TypeError(f"{_CALLER}: argnums must be an int, got {argnums!r}")
@@ -100,7 +100,11 @@ class Step:
         world = world_size(self.group, _CALLER)
         if world <= 1:
             return self.local(*args, **kwargs)
-        check_not_transformed(_CALLER)
+        if _ruled(args, kwargs):  # transformed, or a graph to keep: local, then the rules
+            with Announced(self.group, world, _CALLER):  # a failure here meets the peers' call
+                grads, value = self.local(*args, **kwargs)
+                w = self._weigh(args, kwargs)
+            return collect(grads, self._spec(world), weight=w), value
         return self._step(args, kwargs, world, None)
 
     def skip(self, *args: Any) -> tuple[Any, None]:
@@ -132,16 +136,20 @@ class Step:
             )
         tree = args[self.argnums % len(args)]
         world = world_size(self.group, _CALLER)
+        none = 0.0 if self.weight is not None else None  # a weighted mean: weight 0
         if world <= 1:
             return optree.tree_map(_zeros, tree, namespace=NAMESPACE), None
-        check_not_transformed(_CALLER)
+        if _ruled((tree,), {}):
+            zeros = optree.tree_map(_zeros, tree, namespace=NAMESPACE)
+            return collect(zeros, self._spec(world), weight=none), None
         with Announced(self.group, world, _CALLER) as scope:
             plan, leaves, _ = self._plan(tree, world)
             with plan.lock or contextlib.nullcontext():
-                call = scope.call = self._new_call(plan, world, sending=False)
-                if self.weight is not None:
-                    call.weight = 0.0
-                results = run(call, plan, plan.tensors(leaves), checksums=self._checksums(tree))
+                call = scope.call = Call(self._request(plan, world))
+                nothing = Send(sending=False, weight=none)
+                results = run(
+                    call, plan, plan.tensors(leaves), nothing, checksums=self._checksums(tree)
+                )
             return plan.rebuild(leaves, results), None
 
     def accumulate(
@@ -188,18 +196,24 @@ class Step:
         world = world_size(self.group, _CALLER)
         if world <= 1:
             return self._accumulated_here(tree, micro_batches, known)
-        check_not_transformed(_CALLER)
+        if _ruled((tree,), {}):  # transformed: the local sum, through the rules
+            with Announced(self.group, world, _CALLER):
+                total, got, weight = self._summed(tree, micro_batches, known)
+            if total is None:  # no micro-batch on this rank: zeros, weight 0
+                total = optree.tree_map(_zeros, tree, namespace=NAMESPACE)
+            return collect(total, self._spec(world), weight=weight, presummed=True), got
         acc = _Sum()
         values: list[Any] = []
         with Announced(self.group, world, _CALLER) as scope:
             plan, leaves, key = self._plan(tree, world)
             with plan.lock or contextlib.nullcontext():
-                call = scope.call = self._new_call(plan, world)
+                request = self._request(plan, world)
+                call = scope.call = Call(request)
                 call.begin(self._checksums(tree))
                 for i, batch in enumerate(_draw(micro_batches, known)):
                     args = _micro_args(self.argnums, tree, batch)
                     if i == (known or 0) - 1:  # the last: its reduction overlaps its backward
-                        return self._last(call, plan, key, args, leaves, acc, values, world)
+                        return self._last(call, key, args, leaves, acc, values, world)
                     grads, value = self.local(*args)
                     acc.add(grads, self._weigh(args, {}))
                     values.append(value)
@@ -209,14 +223,15 @@ class Step:
                         f"micro-batch(es), count={known}"
                     )
                 if not values:  # no micro-batch on this rank: as skip
-                    call.sending = False
-                    call.weight = 0.0 if self.weight is not None else None
-                    results = run(call, plan, plan.tensors(leaves), begun=True)
+                    none = 0.0 if self.weight is not None else None
+                    send = Send(sending=False, weight=none)
+                    results = run(call, plan, plan.tensors(leaves), send, begun=True)
                 else:  # the last one is known only now: the sum, reduced after it
                     assert acc.leaves is not None
-                    if self.weight is not None:
-                        call.scale, call.weight = None, acc.weight  # weighted already
-                    results = run(call, plan, acc.leaves, begun=True)
+                    send = send_of(request)
+                    if self.weight is not None:  # weighted already
+                        send = Send(weight=acc.weight)
+                    results = run(call, plan, acc.leaves, send, begun=True)
                 return plan.rebuild(leaves, results), values
 
     # --- one step ----------------------------------------------------------------------------
@@ -233,12 +248,12 @@ class Step:
             w = self._weigh(args, kwargs)
             plan, leaves, key = self._plan(tree, world)
             with plan.lock or contextlib.nullcontext():
-                call = scope.call = self._new_call(plan, world)
-                if w is not None:
-                    call.scale = call.weight = w
+                request = self._request(plan, world)
+                call = scope.call = Call(request)
                 call.begin(self._checksums(tree))
+                send = send_of(request, weight=w)
                 try:
-                    results, value = self._backward(call, plan, args, kwargs, n, leaves, attempt)  # type: ignore[arg-type]
+                    results, value = self._backward(call, send, args, kwargs, n, leaves, attempt)  # type: ignore[arg-type]
                     return plan.rebuild(leaves, results), value
                 except Redo:
                     pass
@@ -247,7 +262,6 @@ class Step:
     def _last(
         self,
         call: Call,
-        plan: Plan,
         key: int,
         args: tuple[Any, ...],
         leaves: list[Any],
@@ -257,26 +271,26 @@ class Step:
     ) -> tuple[Any, list[Any]]:
         """An accumulated step's last micro-batch: its backward with the sum so far added in."""
         w = self._weigh(args, {})
+        send = send_of(call.request, weight=w)
         if acc.leaves is not None:
-            call.acc, call.alpha = acc.leaves, (1.0 if w is None else w)
+            send = replaced(send, acc=acc.leaves, alpha=1.0 if w is None else w)
         if w is not None:  # the sum is weighted already; the last one is weighted as it is added
-            call.scale = None if acc.leaves is not None else w
-            call.weight = acc.weight + w
+            send = replaced(send, scale=None if acc.leaves is not None else w, weight=acc.weight + w)
         attempt = Attempt()
         n = self.argnums % len(args)
         try:
-            results, value = self._backward(call, plan, args, {}, n, leaves, attempt)
+            results, value = self._backward(call, send, args, {}, n, leaves, attempt)
         except Redo:
             grads, value = self._redo(key, args, {}, world, attempt, acc, w)
             values.append(value)
             return grads, values
         values.append(value)
-        return plan.rebuild(leaves, results), values
+        return call.request.plan.rebuild(leaves, results), values
 
     def _backward(
         self,
         call: Call,
-        plan: Plan,
+        send: Send,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         n: int,
@@ -284,9 +298,10 @@ class Step:
         attempt: Attempt,
     ) -> tuple[list[torch.Tensor], Any]:
         """The step's gradients into ``call``'s buckets: from the backward pass where it can."""
-        if call.eager and _overlaps(plan, args, kwargs, n, leaves):
+        plan = call.request.plan
+        if call.eager and _overlaps(plan):
             what = Differentiated(self.fn, self.has_aux, _CALLER)
-            return overlapped(what, call, plan, args, kwargs, n, leaves, attempt)
+            return overlapped(what, call, send, args, kwargs, n, leaves, attempt)
         grads, value = self.local(*args, **kwargs)
         flat = _leaves_of(grads)
         attempt.keep(flat, value)
@@ -297,7 +312,7 @@ class Step:
         ):
             call.retry()  # gradients sparse where the layout planned them dense: reduce as a tree
         parts = [plan.parts(b, flat) for b in range(len(plan.layout.buckets))]
-        call.launch_rest(parts, [flat[k] for k in plan.layout.sparse])
+        call.launch_rest(parts, send, [flat[k] for k in plan.layout.sparse])
         return call.finish(), value
 
     def _redo(
@@ -320,19 +335,11 @@ class Step:
             grads = _tree_like(args[self.argnums % len(args)], attempt.grads)
             value = attempt.value
         weight = w
-        if acc is not None and acc.leaves is not None:
-            acc.add(grads, w)
-            grads, weight = acc.tree(), (acc.weight if w is not None else None)
-        reduced = reduce_tree(
-            grads,
-            self.options,
-            self.group,
-            world,
-            _CALLER,
-            check=self.check,
-            weight=weight,
-            presummed=acc is not None and acc.leaves is not None,
-        )
+        summed = acc is not None and acc.leaves is not None
+        if summed:
+            acc.add(grads, w)  # type: ignore[union-attr]
+            grads, weight = acc.tree(), (acc.weight if w is not None else None)  # type: ignore[union-attr]
+        reduced = collect(grads, self._spec(world), weight=weight, presummed=summed)
         flat = _leaves_of(grads)
         sparse = {k: g.sparse_dim() for k, g in enumerate(flat) if g.layout != torch.strided}
         if sparse:  # later calls of this layout reduce after the backward pass, on every rank
@@ -341,8 +348,31 @@ class Step:
 
     # --- what every way of calling shares ---------------------------------------------------
 
-    def _new_call(self, plan: Plan, world: int, *, sending: bool = True) -> Call:
-        return Call(plan, self.group, world, _CALLER, check=self.check, sending=sending)
+    def _request(self, plan: Plan, world: int) -> Request:
+        return Request(plan, self.group, world, _CALLER, self.check)
+
+    def _spec(self, world: int) -> Spec:
+        """The step's collective, for a tree the rules or a retry reduce (paths filled in)."""
+        return Spec(self.options, self.group, world, _CALLER, self.check, ())
+
+    def _summed(
+        self, tree: Any, micro_batches: Iterable[Any], known: int | None
+    ) -> tuple[Any, list[Any], float | None]:
+        """The micro-batches' gradients summed here (weighted), their values, the weights' sum."""
+        acc = _Sum()
+        values: list[Any] = []
+        for batch in _draw(micro_batches, known):
+            args = _micro_args(self.argnums, tree, batch)
+            grads, value = self.local(*args)
+            acc.add(grads, self._weigh(args, {}))
+            values.append(value)
+        if known is not None and len(values) < known:
+            raise ValueError(
+                f"{_CALLER}: accumulate's micro_batches yielded {len(values)} "
+                f"micro-batch(es), count={known}"
+            )
+        weight = acc.weight if self.weight is not None else None
+        return (None if acc.leaves is None else acc.tree()), values, weight
 
     def _weigh(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """This rank's weight for these arguments (``None`` unweighted); a number, eagerly."""
@@ -390,20 +420,11 @@ class Step:
         self, tree: Any, micro_batches: Iterable[Any], known: int | None
     ) -> tuple[Any, list[Any]]:
         """``accumulate`` without other ranks: the sum (the weighted mean) of the micro-batches."""
-        acc = _Sum()
-        values: list[Any] = []
-        for batch in _draw(micro_batches, known):
-            args = _micro_args(self.argnums, tree, batch)
-            grads, value = self.local(*args)
-            acc.add(grads, self._weigh(args, {}))
-            values.append(value)
-        if acc.leaves is None:
+        total, values, weight = self._summed(tree, micro_batches, known)
+        if total is None:
             return optree.tree_map(_zeros, tree, namespace=NAMESPACE), values
-        total = acc.tree()
-        if self.weight is not None:
-            total = optree.tree_map(
-                lambda t: t / acc.weight if acc.weight else torch.zeros_like(t), total
-            )
+        if weight is not None:
+            total = optree.tree_map(lambda t: t / weight if weight else torch.zeros_like(t), total)
         return total, values
 
 
@@ -520,19 +541,20 @@ def _gradient_like(leaves: list[Any], sparse: dict[int, int]) -> list[Any]:
     return out
 
 
-def _overlaps(
-    plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any], n: int, leaves: list[Any]
-) -> bool:
+def _ruled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a step on these arguments goes through the collectives' rules (``_rules``)."""
+    tensors: list[torch.Tensor] = []
+    for tree in (*args, *kwargs.values()):
+        values = tensor_values(tree)
+        leaves = values if values is not None else flatten_in_order(tree)[0]
+        tensors += (t for t in leaves if isinstance(t, torch.Tensor))
+    return needs_rules(tensors, _CALLER)
+
+
+def _overlaps(plan: Plan) -> bool:
     """Whether the step's buckets can start from its backward pass (see the module's text)."""
-    if plan.layout.sparse or not plan.layout.buckets or torch.is_inference_mode_enabled():
-        return False
-    if plan.keys is not None:  # a plain dict of tensors (``_plans``): no leaf to type-check
-        if any(map(_REQUIRES_GRAD, leaves)):
-            return False
-    elif not all(isinstance(t, torch.Tensor) and not t.requires_grad for t in leaves):
-        return False
-    rest: list[Any] = optree.tree_leaves((args[:n], args[n + 1 :], kwargs))  # type: ignore[arg-type]
-    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in rest)
+    layout = plan.layout
+    return not (layout.sparse or not layout.buckets or torch.is_inference_mode_enabled())
 
 
 def _checksum(t: torch.Tensor) -> int:

@@ -2,7 +2,9 @@
 
 Everything above this file is written once; here is the choice between the
 two ways to run it (torchopt's ``accelerated_op`` shape: two backends, one
-interface, call sites written once):
+interface, call sites written once). The kind (``_wire``) says what its
+buffers are and which collective moves them; a transport says where the
+buffers come from and how the collective runs:
 
 * ``Eager``: ``torch.distributed``'s asynchronous collectives on buffers
   taken from pools (a pool hands a buffer out again only once no result
@@ -14,8 +16,9 @@ interface, call sites written once):
   fresh buffers; nothing is read back (the layout was checked while tracing,
   see ``_plans``).
 
-Both take the same buffers' shapes from the layout (``_layout``) and the same
-copy-in and copy-out (``_copy``).
+Besides the buckets, a transport starts the two other collectives a call may
+need: a sparse tensor's all-reduce (eagerly only) and a weighted mean's sum
+of weights where the first bucket is too narrow to carry it.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import torch.distributed as dist
 
 from .._torch import functional_collectives, storage_use_count
 from ._group import collective
-from ._layout import Bucket
+from ._wire import Bucket, Kind, real_view
 
-__all__ = ["Eager", "Pool", "Pools", "Traced", "real_view", "run_collective"]
+__all__ = ["Eager", "Pool", "Pools", "Traced"]
 
 
 class Pool:
@@ -85,28 +88,21 @@ class Pool:
 class Pools:
     """One bucket's pools: what it sends, what it receives, and where its results live.
 
-    A buffer that results view is kept while they live (``keep=3``); a
-    buffer that only carries the collective is the bucket's own (``keep=1``).
+    Their sizes are the kind's (``Kind.sizes``): a buffer that results view
+    is kept while they live (``keep=3``); one that only carries the
+    collective is the bucket's own (``keep=1``).
     """
 
     __slots__ = ("recv", "res", "send")
 
-    def __init__(self, bucket: Bucket, kind: str) -> None:
-        n, w, dev = bucket.chunk, bucket.chunks, bucket.device
-        same = bucket.comm == bucket.dtype
-        send_is_result = kind == "reduce" and same
-        self.send = Pool(
-            n * w if kind == "scatter" else n, bucket.comm, dev, keep=3 if send_is_result else 1
-        )
+    def __init__(self, bucket: Bucket, kind: Kind) -> None:
+        sizes = kind.sizes(bucket)
+        dev = bucket.device
+        self.send = Pool(sizes.send, bucket.comm, dev, keep=sizes.send_kept)
         self.recv = None
-        if kind != "reduce":
-            recv_is_result = kind == "scatter" and same
-            size = n if kind == "scatter" else n * w
-            self.recv = Pool(size, bucket.comm, dev, keep=3 if recv_is_result else 1)
-        self.res = None
-        if not same or kind == "gather":
-            size = bucket.data * (w if kind == "gather" else 1)
-            self.res = Pool(size, bucket.dtype, dev)
+        if sizes.recv is not None:
+            self.recv = Pool(sizes.recv, bucket.comm, dev, keep=sizes.recv_kept)
+        self.res = None if sizes.res is None else Pool(sizes.res, bucket.dtype, dev)
 
     def clear(self) -> None:
         """Let go of every buffer (results still held keep theirs alive, as any tensor)."""
@@ -115,33 +111,12 @@ class Pools:
                 pool.entries = []
 
 
-def run_collective(
-    kind: str, send: torch.Tensor, recv: torch.Tensor | None, maximum: bool, group: Any, caller: str
-) -> Any:
-    """Start one eager collective of ``kind`` from ``send`` (into ``recv``); its work handle."""
-    op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-    with collective(caller):
-        if kind == "reduce":
-            return dist.all_reduce(send, op=op, group=group, async_op=True)
-        if kind == "scatter":
-            # torch 2.13's names: the older ones warn (FutureWarning) at every call
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            return scatter(recv, send, op=op, group=group, async_op=True)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        return gather(recv, send, group=group, async_op=True)
-
-
-def real_view(t: torch.Tensor) -> torch.Tensor:
-    """Collectives take complex buffers as their real view."""
-    return torch.view_as_real(t).view(-1) if t.is_complex() else t
-
-
 class Eager:
     """torch.distributed's collectives on pooled buffers, their flag words read back."""
 
     eager = True
 
-    def __init__(self, kind: str, pools: list[Pools], group: Any, caller: str) -> None:
+    def __init__(self, kind: Kind, pools: list[Pools], group: Any, caller: str) -> None:
         self.kind = kind
         self.pools = pools
         self.group = group
@@ -165,12 +140,9 @@ class Eager:
 
     def start(self, b: int, bucket: Bucket, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
         pool = self.pools[b].recv
-        recv = send if pool is None else self._take(pool)
-        out = None if pool is None else real_view(recv)
-        work = run_collective(
-            self.kind, real_view(send), out, bucket.maximum, self.group, self.caller
-        )
-        return work, recv
+        recv = None if pool is None else self._take(pool)
+        work = self.kind.start(send, recv, bucket.maximum, self.group, self.caller)
+        return work, send if recv is None else recv
 
     @staticmethod
     def landing(handle: tuple[Any, torch.Tensor]) -> torch.Tensor | None:
@@ -189,43 +161,36 @@ class Eager:
         """The words' values on the host."""
         return (words.real if words.is_complex() else words).tolist()  # type: ignore[no-any-return]
 
+    def sum(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Start a sum of ``t`` over the group, into it: a weighted mean's weights, or a sparse
+        tensor (gloo sums sparse tensors of any number of entries)."""
+        with collective(self.caller):
+            return dist.all_reduce(t, group=self.group, async_op=True), t
+
 
 class Traced:
     """The functional collectives, which Dynamo traces into the graph, on fresh buffers."""
 
     eager = False
 
-    def __init__(self, kind: str, group: Any, world: int) -> None:
+    def __init__(self, kind: Kind, group: Any, world: int) -> None:
         pg = dist.group.WORLD if group is None else group
         self.kind = kind
         self.name = pg.group_name  # type: ignore[union-attr]
         self.world = world
         self.ops = functional_collectives()
 
-    def send(self, b: int, bucket: Bucket) -> torch.Tensor | None:
-        """A fresh buffer to pack into; ``None`` for a reduction, whose buffer is its parts
-        concatenated (``_copy.joined``: what Inductor copies best)."""
-        if self.kind == "reduce":
-            return None
-        size = bucket.chunk * (bucket.chunks if self.kind == "scatter" else 1)
-        return torch.empty(size, dtype=bucket.comm, device=bucket.device)
+    def send(self, b: int, bucket: Bucket) -> torch.Tensor:
+        """A fresh buffer to pack into (a reduction joins its parts instead: ``Kind.joined``)."""
+        return torch.empty(self.kind.sizes(bucket).send, dtype=bucket.comm, device=bucket.device)
 
     def result(self, b: int, bucket: Bucket) -> torch.Tensor | None:
-        if bucket.comm == bucket.dtype and self.kind != "gather":
-            return None
-        size = bucket.data * (bucket.chunks if self.kind == "gather" else 1)
-        return torch.empty(size, dtype=bucket.dtype, device=bucket.device)
+        size = self.kind.sizes(bucket).res
+        return None if size is None else torch.empty(size, dtype=bucket.dtype, device=bucket.device)
 
     def start(self, b: int, bucket: Bucket, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        op = "max" if bucket.maximum else "sum"
         flat = real_view(send)
-        if self.kind == "reduce":
-            out = self.ops.all_reduce(flat, op, self.name)
-        elif self.kind == "scatter":
-            out = self.ops.reduce_scatter_tensor(flat, op, self.world, self.name)
-        else:
-            out = self.ops.all_gather_into_tensor(flat, self.world, self.name)
-        return out, send
+        return self.kind.start_traced(self.ops, flat, bucket.maximum, self.world, self.name), send
 
     @staticmethod
     def landing(handle: tuple[Any, torch.Tensor]) -> torch.Tensor | None:
@@ -243,3 +208,7 @@ class Traced:
     def read(words: torch.Tensor) -> list[float] | None:
         """Nothing is read back while tracing: the layout was checked then (``_plans``)."""
         return None
+
+    def sum(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """A traced sum of ``t`` over the group (sparse tensors are refused while tracing)."""
+        return self.ops.all_reduce(t, "sum", self.name), t

@@ -1,0 +1,171 @@
+"""Collectives as primitives: one plain run, and the rules that make them compose.
+
+``apply(spec, tensors)`` runs one collective (``_wire.Spec``: its kind,
+options, group and the tensors' paths) and is what every public collective
+and every rule calls. It decides by types, never by an error's text:
+
+* plainly (``plain``: one ``Call`` on the tensors' layout), when nothing
+  can differentiate or batch through it: no ``torch.func`` transform is
+  active (the functorch interpreter stack is empty), no forward-mode level
+  is open, and no tensor requires grad where grad mode is on;
+* otherwise through ``Primitive``, a functorch-aware ``autograd.Function``
+  whose forward is that same plain run, and whose ``backward``, ``jvp`` and
+  ``vmap`` are the kind's rules (``Kind.transpose``, ``tangent``,
+  ``batch``), written with ``apply`` itself: a cotangent that carries a
+  graph (double backward) or is batched (``jacrev``) goes through the rules
+  again, so transforms nest as they do on any torch op.
+
+Under ``torch.compile`` the reverse-mode rule alone is traced (``Reverse``:
+Dynamo refuses a custom ``jvp``); inside a ``torch.func`` transform or a
+forward-mode level, which Dynamo traces through an ``autograd.Function``
+into a graph without the collective's rules (measured on torch 2.13: a
+``vmap``'s collective dropped on one rank, a ``jvp``'s tangent zero), a call
+is refused with a ``RuntimeError`` that says to run it eagerly.
+
+Every rank must apply the same transforms to the same calls: a rule's
+collectives are calls like any other, checked across ranks, and a rank
+whose loss does not reach a collective's results never runs its transpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+
+from .._torch import is_compiling, transform_level
+from ._call import Announced, Call, Request, send_of
+from ._plans import plan_for
+from ._wire import KINDS, Spec, order_of, replaced
+
+__all__ = ["Primitive", "Reverse", "apply", "needs_rules", "plain"]
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def apply(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The collective ``spec`` of ``tensors`` (distinct ones), through its rules where they apply."""
+    if needs_rules(tensors, spec.caller):
+        fn = Reverse if is_compiling() else Primitive
+        return list(fn.apply(spec, *tensors))
+    return plain(spec, tensors)
+
+
+def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
+    """Whether a call on ``tensors`` must go through its rules (see the module's text).
+
+    Raises:
+        RuntimeError: while Dynamo traces inside a ``torch.func`` transform
+            or a forward-mode level.
+    """
+    if is_compiling():  # Dynamo traces comprehensions, not attrgetter
+        if torch._C._are_functorch_transforms_active() or _forward_level():
+            raise RuntimeError(
+                f"{caller}: under torch.compile, fr.distributed's collectives cannot run inside "
+                "torch.func transforms (vmap, grad, jvp, jacrev ...) or forward-mode AD: Dynamo "
+                "would trace them without their rules. Run the transformed step eagerly (it "
+                "composes there), or compile a step that calls the collectives outside the "
+                "transform (fr.distributed.grad_and_value does)"
+            )
+        return torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+    if transform_level() is not None or _forward_level():
+        return True
+    return torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, tensors))
+
+
+def _forward_level() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
+def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The collective itself: one ``Call`` on the layout of ``tensors``; no autograd graph."""
+    with Announced(spec.group, spec.world, spec.caller) as scope:
+        plan = plan_for(spec, tensors)
+        layout = plan.layout
+        with plan.lock or contextlib.nullcontext():
+            request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
+            call = scope.call = Call(request)
+            call.begin()
+            parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
+            sparse = [tensors[k] for k in layout.sparse]
+            call.launch_rest(parts, send_of(request), sparse)
+            # a tensor that stays (held whole, in an all-gather): a new one all the same
+            return call.finish(local=[tensors[k].clone() for k in layout.local])
+
+
+def _differentiable(t: torch.Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class Reverse(torch.autograd.Function):
+    """A collective with its reverse-mode and batching rules (what ``torch.compile`` traces)."""
+
+    generate_vmap_rule = False
+
+    @staticmethod
+    def forward(spec: Spec, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(plain(spec, tensors))
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        spec, *tensors = inputs
+        ctx.spec = spec
+        # the rules' view of the inputs: shapes and memory orders, which tensors can carry
+        # a derivative (an integer one is sent all the same, and gets none)
+        ctx.inputs = [(tuple(t.shape), order_of(t)) for t in tensors]
+        ctx.metas = [(t.dtype, t.device) for t in tensors]
+        ctx.live = [k for k, t in enumerate(tensors) if _differentiable(t)]
+        ctx.mark_non_differentiable(*(o for o in output if not _differentiable(o)))
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        """The transpose of the live tensors' cotangents (zeros where a result was not used)."""
+        grads: list[Any] = [None] * len(cts)
+        live = ctx.live
+        if live:
+            spec = _subset(ctx.spec, live)
+            inputs = [ctx.inputs[k] for k in live]
+            got = KINDS[spec.options.kind].transpose(spec, [cts[k] for k in live], inputs, apply)
+            for k, g in zip(live, got):
+                grads[k] = g
+        return (None, *grads)
+
+    @staticmethod
+    def vmap(info: Any, in_dims: tuple[Any, ...], spec: Spec, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
+        """The batched tensors as a whole, in one collective (the kind's ``batch``)."""
+        outs, dims = KINDS[spec.options.kind].batch(spec, tensors, in_dims[1:], apply)
+        return tuple(outs), tuple(dims)
+
+
+class Primitive(Reverse):
+    """``Reverse`` with the forward-mode rule: the tangents through the same collective."""
+
+    @staticmethod
+    def jvp(ctx: Any, _spec: Any, *tangents: Any) -> tuple[Any, ...]:  # type: ignore[override]
+        live = ctx.live
+        out: list[Any] = [None] * len(tangents)
+        if live:
+            spec = _subset(ctx.spec, live)
+            given = [_tangent(tangents[k], ctx.inputs[k][0], *ctx.metas[k]) for k in live]
+            for k, t in zip(live, KINDS[spec.options.kind].tangent(spec, given, apply)):
+                out[k] = t
+        return tuple(out)
+
+
+def _tangent(t: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+    """A tangent, zeros where none came: every rank sends all of a call's tensors."""
+    return torch.zeros(shape, dtype=dtype, device=device) if t is None else t
+
+
+def _subset(spec: Spec, ks: Sequence[int]) -> Spec:
+    """``spec`` for the tensors ``ks`` of its call only (all of them: ``spec`` itself)."""
+    if len(ks) == len(spec.paths):
+        return spec
+    whole = None if spec.whole is None else tuple(spec.whole[k] for k in ks)
+    like = None if spec.like is None else tuple(spec.like[k] for k in ks)
+    return replaced(spec, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like)
