@@ -13,7 +13,10 @@ from ._distributed import broadcast as broadcast
 from ._distributed import clip_grad_norm as clip_grad_norm
 from ._distributed import grad_and_value as grad_and_value
 from ._distributed import join as join
+from ._distributed import load_sharded as load_sharded
+from ._distributed import materialize as materialize
 from ._distributed import reduce_scatter as reduce_scatter
+from ._distributed import save_sharded as save_sharded
 from ._distributed import shard as shard
 from ._distributed import sync_buffers as sync_buffers
 
@@ -25,7 +28,10 @@ __all__ = [
     "clip_grad_norm",
     "grad_and_value",
     "join",
+    "load_sharded",
+    "materialize",
     "reduce_scatter",
+    "save_sharded",
     "shard",
     "sync_buffers",
 ]

@@ -24,7 +24,10 @@ from ._collectives import broadcast as broadcast
 from ._collectives import reduce_scatter as reduce_scatter
 from ._collectives import shard as shard
 from ._collectives import sync_buffers as sync_buffers
+from ._dcp import load_sharded as load_sharded
+from ._dcp import save_sharded as save_sharded
 from ._join import join as join
+from ._materialize import materialize as materialize
 from ._shard import clip_grad_norm as clip_grad_norm
 from ._step import Step as Step
 from ._step import grad_and_value as grad_and_value
@@ -37,7 +40,10 @@ __all__ = [
     "clip_grad_norm",
     "grad_and_value",
     "join",
+    "load_sharded",
+    "materialize",
     "reduce_scatter",
+    "save_sharded",
     "shard",
     "sync_buffers",
 ]
