@@ -37,7 +37,7 @@ from . import _caches, _torch, _tree
 from ._checks import check_state
 from ._state import State
 
-__all__ = ["apply", "check_bindable"]
+__all__ = ["Around", "apply", "bound_call", "check_bindable"]
 
 _CALLER = "fr.apply"
 _OWN = ("_parameters", "_buffers", "_modules")
@@ -500,9 +500,25 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     # (docs/benchmarks.md, issue 19)
     if type(state) is not State or type(state[0]) is not dict or type(state[1]) is not dict:
         check_state(_CALLER, state, entries=False)
-    params, buffers = state
     if _torch.is_compiling():
-        return _traced(module, params, buffers, args, kwargs)
+        return _traced(module, state[0], state[1], args, kwargs)
+    return bound_call(module, state, args, kwargs)
+
+
+#: what ``bound_call`` hands a caller that wraps units of the call: each copy's module name
+#: (``module.<qualified name>``), the copies, and where each parameter sits ``(copy, key, name)``
+Around = Callable[[list[str], list[nn.Module], list[_Slot]], None]
+
+
+def bound_call(
+    module: nn.Module, state: State, args: Any, kwargs: Any, around: Around | None = None
+) -> tuple[Any, State]:
+    """``apply``'s eager call; ``around`` may rebind or wrap the call's own copies before it runs.
+
+    The copies are this call's alone (nothing of ``module`` is touched):
+    ``fr.distributed.apply_sharded`` wraps its units' ``forward`` there.
+    """
+    params, buffers = state
     plan, dicts = _plan(module)
     # for speed: the names fr.state gives need no resolving (docs/benchmarks.md, issue 19)
     if params.keys() == plan.param_names and buffers.keys() <= plan.buffer_names:
@@ -518,6 +534,8 @@ def apply(module: nn.Module, state: State, /, *args: Any, **kwargs: Any) -> tupl
     try:
         copies, buffer_dicts = _bind(plan, dicts, values, buffer_values)
         del dicts
+        if around is not None:
+            around(plan.where, copies, plan.param_slots)
         out = copies[0](*args, **kwargs)
     except Exception:
         check_bindable(_CALLER, state)  # a non-tensor in the state: say so, not torch

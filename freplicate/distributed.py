@@ -9,6 +9,7 @@ in the private package ``freplicate/_distributed/``; this module only publishes 
 from ._distributed import Step as Step
 from ._distributed import all_gather as all_gather
 from ._distributed import all_reduce as all_reduce
+from ._distributed import apply_sharded as apply_sharded
 from ._distributed import broadcast as broadcast
 from ._distributed import clip_grad_norm as clip_grad_norm
 from ._distributed import grad_and_value as grad_and_value
@@ -24,6 +25,7 @@ __all__ = [
     "Step",
     "all_gather",
     "all_reduce",
+    "apply_sharded",
     "broadcast",
     "clip_grad_norm",
     "grad_and_value",

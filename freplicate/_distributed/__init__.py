@@ -29,6 +29,7 @@ from ._dcp import save_sharded as save_sharded
 from ._join import join as join
 from ._materialize import materialize as materialize
 from ._shard import clip_grad_norm as clip_grad_norm
+from ._sharded import apply_sharded as apply_sharded
 from ._step import Step as Step
 from ._step import grad_and_value as grad_and_value
 
@@ -36,6 +37,7 @@ __all__ = [
     "Step",
     "all_gather",
     "all_reduce",
+    "apply_sharded",
     "broadcast",
     "clip_grad_norm",
     "grad_and_value",

@@ -42,7 +42,7 @@ from ._call import Announced, Call, Request, send_of
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
-__all__ = ["Primitive", "Reverse", "apply", "needs_rules", "plain"]
+__all__ = ["Pending", "Primitive", "Reverse", "apply", "needs_rules", "plain"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -66,10 +66,12 @@ def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
         if torch._C._are_functorch_transforms_active() or _forward_level():
             raise RuntimeError(
                 f"{caller}: under torch.compile, fr.distributed's collectives cannot run inside "
-                "torch.func transforms (vmap, grad, jvp, jacrev ...) or forward-mode AD: Dynamo "
-                "would trace them without their rules. Run the transformed step eagerly (it "
-                "composes there), or compile a step that calls the collectives outside the "
-                "transform (fr.distributed.grad_and_value does)"
+                "torch.func transforms (vmap, grad, jvp, jacrev ..., and fr.grad_and_value, "
+                "which uses torch.func while compiling) or forward-mode AD: Dynamo would trace "
+                "them without their rules. Run the transformed step eagerly (it composes there), "
+                "differentiate with torch.autograd inside the compiled function (loss.backward() "
+                "or torch.autograd.grad), or call the collectives outside the transform "
+                "(fr.distributed.grad_and_value does)"
             )
         return torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
     if transform_level() is not None or _forward_level():
@@ -169,3 +171,38 @@ def _subset(spec: Spec, ks: Sequence[int]) -> Spec:
     whole = None if spec.whole is None else tuple(spec.whole[k] for k in ks)
     like = None if spec.like is None else tuple(spec.like[k] for k in ks)
     return replaced(spec, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like)
+
+
+class Pending:
+    """A plain collective started now, its results taken later: a prefetch.
+
+    Its buckets are in flight from ``__init__`` (agreed and launched, every
+    rank alike); ``finish`` waits and hands out the results, as ``plain``
+    would have. No autograd: a caller that differentiates wraps the results
+    (``_sharded``). Between the two, the rank may run anything but another
+    call of this plan's layout from another thread.
+    """
+
+    __slots__ = ("call", "finished", "plan", "spec", "tensors")
+
+    def __init__(self, spec: Spec, tensors: Sequence[torch.Tensor]) -> None:
+        self.spec = spec
+        self.tensors = tensors
+        self.finished = False
+        with Announced(spec.group, spec.world, spec.caller) as scope:
+            self.plan = plan = plan_for(spec, tensors)
+            layout = plan.layout
+            request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
+            self.call = scope.call = Call(request)
+            self.call.begin()
+            parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
+            self.call.launch_rest(parts, send_of(request), [tensors[k] for k in layout.sparse])
+
+    def finish(self) -> list[torch.Tensor]:
+        """The results (once): ``plain``'s."""
+        assert not self.finished, "a pending collective finished twice"
+        self.finished = True
+        with Announced(self.spec.group, self.spec.world, self.spec.caller) as scope:
+            scope.call = self.call
+            local = [self.tensors[k].clone() for k in self.plan.layout.local]
+            return self.call.finish(local=local)

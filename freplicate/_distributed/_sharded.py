@@ -1,0 +1,512 @@
+"""``apply_sharded``: fully sharded data parallelism (ZeRO-3) by differentiating the all-gather.
+
+A rank holds its rows of every parameter (``shard``'s); ``apply_sharded``
+runs the module's forward as ``fr.apply`` does, gathering each *unit*'s
+full parameters just before the unit's forward and letting them go after
+it. The all-gather is a primitive (``_rules``): its transpose, the
+reduce-scatter of the gradient (``op``), is what reaches the shards, so any
+autograd of the caller's (``fr.grad_and_value``, ``loss.backward()``) gives
+each rank its rows of DDP's gradient, with nothing of ZeRO-3's own in the
+backward pass. Eagerly, three things keep memory and time down:
+
+* *prefetch*: the next unit's gather is started when a unit's gather has
+  landed, so it travels while the unit computes;
+* *release*: after its forward, a unit's copies of the module hold a
+  stand-in again (which names the parameter if it is used outside its unit);
+* *recompute*: autograd saves no gathered parameter. A saved-tensor hook
+  (``torch.autograd.graph.saved_tensors_hooks``) turns every tensor saved
+  from a gathered buffer into a token (the unit, the buffer, the view), and
+  the backward pass gathers the unit again when it first needs one, the unit
+  before it prefetched; a gradient taken with ``create_graph`` gathers it
+  through the primitive, so that second order holds.
+
+At any moment a rank holds its shards, the parameters outside every unit,
+and at most two units' full parameters. Under ``torch.compile`` and inside
+``torch.func`` transforms the units are gathered in order before the forward
+through the same primitive, and kept for the backward pass: the same values
+and gradients, without the bound on memory (docs/sharding.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import optree
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import _apply
+from .._caches import register
+from .._checks import check_op
+from .._state import State
+from .._torch import is_compiling, transform_level
+from .._tree import describe
+from ._call import Announced
+from ._group import world_size
+from ._options import Options
+from ._rules import Pending, apply, needs_rules
+from ._wire import ALL_GATHER, KINDS, Spec, order_of, replaced, valid_rows
+
+__all__ = ["apply_sharded"]
+
+_CALLER = "fr.distributed.apply_sharded"
+
+
+class Units(NamedTuple):
+    """A module cut into units: the parameters each gathers, and where they sit."""
+
+    names: tuple[str, ...]  # the units, in named_modules() order
+    gathers: dict[str, tuple[str, ...]]  # per unit: the canonical names it binds
+    outside: tuple[str, ...]  # parameters of no unit: gathered for the whole call
+    full: dict[str, tuple[tuple[int, ...], Any]]  # per name: its full shape and memory order
+
+
+_UNITS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Units]] = weakref.WeakKeyDictionary()
+register(_UNITS.clear)
+
+
+def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALLER) -> Units:
+    """``module``'s units (default: each direct child holding parameters), cached per module.
+
+    Raises:
+        TypeError: ``units`` is not a list of names.
+        ValueError: a name is not a submodule's.
+    """
+    key = None if units is None else tuple(units)
+    cached = _UNITS.setdefault(module, {})
+    found = cached.get(key)
+    if found is None:
+        found = cached[key] = _cut(module, _names(module, units, caller))
+    return found
+
+
+def _names(module: nn.Module, units: Any, caller: str) -> tuple[str, ...]:
+    names = [n for n, _ in module.named_modules()]
+    if units is None:
+        return tuple(n for n, c in module.named_children() if any(True for _ in c.parameters()))
+    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+        raise TypeError(
+            f"{caller}: units must be a list of submodules' qualified names (as named_modules() "
+            f"gives them), got {describe(units)}"
+        )
+    unknown = [u for u in units if u not in names]
+    if unknown:
+        raise ValueError(
+            f"{caller}: units {unknown} are not submodules of the module (named_modules() names "
+            f"them {names[:8]}{' ...' if len(names) > 8 else ''})"
+        )
+    return tuple(n for n in names if n in set(units))
+
+
+def _cut(module: nn.Module, names: tuple[str, ...]) -> Units:
+    """Each parameter to the innermost unit holding its module.
+
+    A parameter tied across units (an embedding and the output head) is
+    gathered once for the whole call, as one outside every unit: its
+    gradients from both places then add up before its one reduce-scatter,
+    as DDP adds them before its all-reduce (bit for bit).
+    """
+    layout = _apply._Layout(_apply._modules(module))
+    where: dict[str, set[str | None]] = {}
+    for i, _, name in layout.param_slots:
+        at = layout.prefixes[i][:-1]
+        inside = [u for u in names if u == "" or at == u or at.startswith(u + ".")]
+        where.setdefault(name, set()).add(max(inside, key=len) if inside else None)
+    gathers: dict[str, list[str]] = {u: [] for u in names}
+    outside: list[str] = []
+    for name, held in where.items():
+        (gathers[next(iter(held))] if len(held) == 1 and None not in held else outside).append(name)  # type: ignore[index]
+    own = dict(module.named_parameters())
+    full = {n: (tuple(p.shape), order_of(p)) for n, p in own.items()}
+    return Units(names, {u: tuple(v) for u, v in gathers.items()}, tuple(outside), full)
+
+
+def apply_sharded(
+    module: nn.Module,
+    state: State,
+    /,
+    *args: Any,
+    units: Sequence[str] | None = None,
+    op: str = "mean",
+    group: Any = None,
+    **kwargs: Any,
+) -> tuple[Any, State]:
+    """``fr.apply`` for a state of this rank's shards: each unit's parameters gathered as it runs.
+
+    ``state.params`` are this rank's rows of the full parameters
+    (``fr.distributed.shard(fr.state(model).params)``), ``state.buffers``
+    whole; ``module`` supplies the full shapes (it may live on the ``meta``
+    device: its own tensors are not read). Each unit (a submodule, named as
+    ``named_modules()`` names it; by default each direct child that holds
+    parameters) has its full parameters all-gathered just before its forward
+    and released after it; parameters outside every unit are gathered for the
+    whole call. The all-gather is differentiable: the gradient reaching
+    ``state.params`` is this rank's rows of the full gradient reduced over
+    the ranks (``op="mean"``, DDP's average, or ``"sum"``), a reduce-scatter.
+    Output, new buffers and gradients equal ``fr.apply`` on
+    ``all_gather(state.params, like)`` followed by ``reduce_scatter`` of the
+    gradient. Eagerly the next unit's gather is started while a unit runs,
+    and no gathered parameter is kept for the backward pass: it gathers each
+    unit again when it reaches it. Collective: every rank calls it, with the
+    same module, units and layout.
+
+    A ZeRO-3 step: ``grads, loss = fr.grad_and_value(loss_fn)(shards, *batch)``
+    where ``loss_fn`` calls ``apply_sharded``; then any elementwise optimizer
+    on the shards, with no all-gather after it.
+
+    Args:
+        module: the module whose forward runs (never modified).
+        state: ``fr.State(shards, buffers)``.
+        *args: positional arguments of the forward.
+        units: the submodules gathered one at a time (qualified names).
+        op: ``"mean"`` or ``"sum"``: how the gradient is reduced over the ranks.
+        group: the process group (default: the default group).
+        **kwargs: keyword arguments of the forward.
+
+    Returns:
+        ``(output, State(state.params, new_buffers))``; without a process
+        group or with one rank, ``fr.apply``'s (the shards are the whole).
+
+    Raises:
+        TypeError: a bad ``units`` or ``state``; ``module`` not an nn.Module.
+        ValueError: a bad ``op``; a unit that is not a submodule; a shard whose
+            shape is not this rank's rows of the parameter (naming its path).
+        KeyError: ``state`` names a parameter the module does not have.
+        RuntimeError: a unit's parameter used outside the unit's forward
+            (naming it); a collective's failure, as for every fr.distributed call.
+
+    Examples:
+        >>> model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+        >>> shards = fr.distributed.shard(fr.state(model).params)
+        >>> out, _ = fr.distributed.apply_sharded(model, fr.State(shards, {}), torch.ones(1, 4))
+        >>> out.shape  # no process group here: fr.apply
+        torch.Size([1, 2])
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{_CALLER}: module must be an nn.Module, got {describe(module)}")
+    check_op(_CALLER, op)
+    plan = units_of(module, units)
+    world = world_size(group, _CALLER)
+    if world <= 1:
+        return _apply.apply(module, state, *args, **kwargs)
+    _apply.check_bindable(_CALLER, state)
+    rank = dist.get_rank(group)
+    _check_shards(plan, state.params, rank, world)
+    spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, ())
+    session = _Session(plan, state.params, spec)
+    if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
+        return session.all_at_once(module, state, args, kwargs)
+    return session.unit_by_unit(module, state, args, kwargs)
+
+
+_OPTIONS = Options(ALL_GATHER.name, "mean", 25.0, None)
+
+
+def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) -> None:
+    """Every shard this rank's rows of its parameter (``shard``'s split); unknown names refused."""
+    unknown = [n for n in params if n not in plan.full]
+    if unknown:
+        raise KeyError(
+            f"{_CALLER}: state.params names {unknown}, which the module does not have (its "
+            f"parameters: {list(plan.full)[:8]}{' ...' if len(plan.full) > 8 else ''})"
+        )
+    for name, t in params.items():
+        shape = plan.full[name][0]
+        want = shape if not shape else (valid_rows(-(-shape[0] // world), shape[0], rank), *shape[1:])
+        if t is not None and tuple(t.shape) != want:
+            raise ValueError(
+                f"{_CALLER}: state.params[{name!r}] must be rank {rank}'s rows of the parameter "
+                f"of shape {shape} over {world} ranks (fr.distributed.shard): shape {want}, got "
+                f"{tuple(t.shape)}"
+            )
+
+
+class _Token(NamedTuple):
+    """A saved tensor that was a view of a unit's gathered buffer: gathered again to unpack."""
+
+    unit: str
+    base: int  # which of the unit's result buffers
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class _Gathered(torch.autograd.Function):
+    """A unit's started gather, finished: its transpose, the reduce-scatter, reaches the shards."""
+
+    @staticmethod
+    def forward(pending: Pending, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return tuple(pending.finish())
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        pending, *shards = inputs
+        ctx.spec = pending.spec
+        ctx.inputs = [(tuple(t.shape), order_of(t)) for t in shards]
+        ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
+
+    @staticmethod
+    def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        spec = ctx.spec
+        return (None, *KINDS[spec.options.kind].transpose(spec, cts, ctx.inputs, apply))
+
+
+class _Session:
+    """One call of ``apply_sharded``: its gathers, their prefetch, and its saved-tensor tokens."""
+
+    def __init__(self, plan: Units, shards: dict[str, Any], spec: Spec) -> None:
+        self.plan = plan
+        self.shards = shards
+        self.spec = spec
+        self.pending: dict[str, Pending] = {}
+        self.order: list[str] = []  # the units as they ran (the backward pass runs them back)
+        # a gathered buffer's storage -> (unit, which of its buffers, dtype): no reference kept,
+        # so that a unit's buffers go back to their pool once it is released
+        self.live: dict[int, tuple[str, int, torch.dtype]] = {}
+        self.again: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self.done = False  # the forward is over: a stand-in touched now is a recomputation
+
+    # --- one unit's gather ---------------------------------------------------------------
+
+    def _spec(self, names: Sequence[str]) -> Spec:
+        like = tuple(self.plan.full[n] for n in names)
+        return replaced(self.spec, paths=tuple(f"[{n!r}]" for n in names), like=like)
+
+    def _names(self, unit: str) -> tuple[str, ...]:
+        """The unit's parameters this state holds (the others are the module's own)."""
+        return tuple(n for n in self.plan.gathers[unit] if self.shards.get(n) is not None)
+
+    def start(self, unit: str) -> None:
+        """Start ``unit``'s gather now (a prefetch), unless it is in flight already."""
+        names = self._names(unit)
+        if names and unit not in self.pending:
+            self.pending[unit] = Pending(self._spec(names), [self.shards[n] for n in names])
+
+    def gather(self, unit: str) -> dict[str, torch.Tensor]:
+        """``unit``'s full parameters, differentiable; the next unit's gather started."""
+        names = self._names(unit)
+        if not names:
+            return {}
+        self.start(unit)
+        pending = self.pending.pop(unit)
+        shards = [self.shards[n] for n in names]
+        if needs_rules(shards, _CALLER):
+            full = list(_Gathered.apply(pending, *shards))
+        else:
+            full = pending.finish()
+        self._track(unit, full)
+        following = self._following(unit)
+        if following is not None:
+            self.start(following)
+        return dict(zip(names, full))
+
+    def _following(self, unit: str) -> str | None:
+        """The unit predicted to run next: the next in ``units``' order (every rank alike)."""
+        names = self.plan.names
+        k = names.index(unit) + 1
+        return names[k] if k < len(names) else None
+
+    def _track(self, unit: str, full: Sequence[torch.Tensor]) -> None:
+        """Remember which storages hold ``unit``'s parameters (what the pack hook tokenizes)."""
+        for i, base in enumerate(_bases(full)):
+            self.live[base.untyped_storage().data_ptr()] = (unit, i, base.dtype)
+        if unit not in self.order:
+            self.order.append(unit)
+
+    def settle(self) -> None:
+        """Finish every gather still in flight (a prefetch no unit took): every rank alike."""
+        for unit in list(self.pending):
+            self.pending.pop(unit).finish()
+
+    # --- the call, unit by unit (eager) ----------------------------------------------------
+
+    def unit_by_unit(
+        self, module: nn.Module, state: State, args: Any, kwargs: Any
+    ) -> tuple[Any, State]:
+        values = dict(self.gather_outside())
+        mine = weakref.ref(self)
+        stand_ins = {
+            n: _stand_in(self.plan.full[n][0], self.shards[n], n, mine)
+            for u in self.plan.names
+            for n in self._names(u)
+        }
+        bound = State({**stand_ins, **values}, state.buffers)
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            if torch.is_grad_enabled()
+            else contextlib.nullcontext()
+        )
+        spec = self.spec
+        with Announced(spec.group, spec.world, spec.caller):  # a failure here: every rank raises
+            try:
+                with hooks, _named_touches(self.plan):
+                    out, new = _apply.bound_call(module, bound, args, kwargs, around=self.around)
+            finally:
+                self.settle()
+                self.done = True
+        return out, State(state.params, new.buffers)
+
+    def gather_outside(self) -> Iterator[tuple[str, torch.Tensor]]:
+        names = tuple(n for n in self.plan.outside if self.shards.get(n) is not None)
+        if not names:
+            return iter(())
+        shards = [self.shards[n] for n in names]
+        return zip(names, apply(self._spec(names), shards))
+
+    def around(self, where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
+        """Wrap each unit's copy: its parameters bound for its forward only."""
+        at = {name: k for k, name in enumerate(where)}
+        for unit in self.plan.names:
+            k = at.get(_apply._name(unit))
+            if k is None or not self._names(unit):
+                continue
+            mine = set(self._names(unit))
+            places = [
+                (copies[j], key, name)
+                for j, key, name in slots
+                if name in mine and _inside(where[j], unit)
+            ]
+            _wrap(copies[k], unit, places, self)
+
+    # --- saved tensors: tokens, gathered again in the backward pass ------------------------
+
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.live or (type(t) is not torch.Tensor and type(t) is not nn.Parameter):
+            return t
+        hit = self.live.get(t.untyped_storage().data_ptr())
+        if hit is None or t.dtype != hit[2]:
+            return t
+        return _Token(hit[0], hit[1], tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
+
+    def unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _Token):
+            return saved
+        bases = self._again(saved.unit)[0]
+        return torch.as_strided(bases[saved.base], saved.size, saved.stride, saved.offset)
+
+    def resolve(self, name: str) -> torch.Tensor:
+        """A unit's parameter, gathered again: what a recomputation touching its stand-in gets."""
+        unit = next(u for u, names in self.plan.gathers.items() if name in names)
+        return self._again(unit)[1][name]
+
+    def _again(self, unit: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        """``unit``'s buffers and parameters gathered again (differentiably under
+        ``create_graph``), every other unit's let go."""
+        got = self.again.get(unit)
+        if got is not None:
+            return got
+        names = self._names(unit)
+        shards = [self.shards[n] for n in names]
+        pending = self.pending.pop(unit, None)
+        if torch.is_grad_enabled():  # a graph to keep: through the primitive
+            if pending is not None:
+                pending.finish()
+            full = apply(self._spec(names), shards)
+        else:
+            full = (pending or Pending(self._spec(names), shards)).finish()
+        got = (_bases(full), dict(zip(names, full)))
+        self.again = {unit: got}
+        return got
+
+    # --- the call, all units at once (compiled, transformed) -------------------------------
+
+    def all_at_once(
+        self, module: nn.Module, state: State, args: Any, kwargs: Any
+    ) -> tuple[Any, State]:
+        values = dict(self.gather_outside())
+        for unit in self.plan.names:
+            names = self._names(unit)
+            if names:
+                values.update(zip(names, apply(self._spec(names), [self.shards[n] for n in names])))
+        out, new = _apply.apply(module, State(values, state.buffers), *args, **kwargs)
+        return out, State(state.params, new.buffers)
+
+
+def _bases(full: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor per distinct storage of ``full``, in order of first appearance."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in full:
+        seen.setdefault(t.untyped_storage().data_ptr(), t)
+    return list(seen.values())
+
+
+def _inside(where: str, unit: str) -> bool:
+    """Whether the copy named ``where`` (``module.<name>``) lies in ``unit``."""
+    name = where[len("module.") :] if where != "module" else ""
+    return unit == "" or name == unit or name.startswith(unit + ".")
+
+
+def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> None:
+    """``copy.forward``, this call's: gather, bind, run, release (even when it raises)."""
+    forward = copy.forward
+    saved = [(m, key, m._parameters[key]) for m, key, _ in places]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        full = session.gather(unit)
+        for m, key, name in places:
+            m._parameters[key] = full[name]
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            for m, key, stand_in in saved:
+                m._parameters[key] = stand_in
+
+    copy.__dict__["forward"] = run
+
+
+class _Touched(Exception):
+    """A unit's stand-in was used outside the unit's forward: the parameter's name."""
+
+
+class _StandIn(torch.Tensor):
+    """A unit's parameter outside its unit's forward (a meta tensor of its shape).
+
+    Touched during the forward, it raises ``_Touched`` (its name); touched
+    once the forward is over, by a recomputation of the unit during the
+    backward pass (a non-reentrant activation checkpoint inside the unit),
+    it is the parameter gathered again.
+    """
+
+    _fr_name: str
+    _fr_session: Any  # a weak reference to the call's session
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves: list[Any] = optree.tree_leaves((args, kwargs))  # type: ignore[arg-type]
+        found = [a for a in leaves if isinstance(a, _StandIn)]
+        session = found[0]._fr_session() if found else None
+        if session is None or not session.done:
+            raise _Touched(found[0]._fr_name if found else "?")
+        real: Any = optree.tree_map(
+            lambda a: session.resolve(a._fr_name) if isinstance(a, _StandIn) else a,
+            (args, kwargs),  # type: ignore[arg-type]
+        )
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*real[0], **real[1])
+
+
+def _stand_in(shape: tuple[int, ...], like: torch.Tensor, name: str, session: Any) -> torch.Tensor:
+    s = torch.Tensor._make_subclass(_StandIn, torch.empty(shape, dtype=like.dtype, device="meta"))
+    s._fr_name = name
+    s._fr_session = session
+    return s
+
+
+@contextlib.contextmanager
+def _named_touches(plan: Units) -> Iterator[None]:
+    """A stand-in touched: a ``RuntimeError`` naming the parameter and its unit."""
+    try:
+        yield
+    except _Touched as err:
+        name = err.args[0]
+        unit = next((u for u, names in plan.gathers.items() if name in names), "?")
+        raise RuntimeError(
+            f"{_CALLER}: the parameter {name!r} of unit {unit!r} was used outside that unit's "
+            "forward, where it is not gathered; add the module that uses it to units, or leave "
+            "the parameter outside every unit (units=...)"
+        ) from None
