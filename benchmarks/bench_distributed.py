@@ -26,6 +26,13 @@ Sides of the training step (SGD, lr 0.01, ``F.cross_entropy``):
 - ``naive``: the straightforward functional step (the "before" of issue 6):
   ``fr.grad_and_value``, then one fresh flat buffer (``torch.cat``), one
   blocking ``dist.all_reduce``, split back, divided by the world size.
+
+And an ensemble (issue 23): ``ENSEMBLE`` members of small_mlp, each with its
+own initialisation, trained one SGD step each on the same batch: ``torch.vmap``
+of ``fr.distributed.grad_and_value`` over the members' stacked parameters
+(``torch.func.stack_module_state``: one forward, one backward, one collective
+for every member's gradients) beside one DDP model per member, stepped one
+after the other. Every member must reach its own DDP's parameters.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ LR = 0.01
 # and fr.distributed.all_reduce of the 400-leaf tree / one flat dist.all_reduce.
 TARGETS = {"many_small": 0.85, "small_mlp": 1.00, "mid_mlp": 1.00}
 ALL_REDUCE = 1.10
+# issue 23: a vmapped ensemble of 4 small_mlp members / 4 DDP runs
+ENSEMBLE, ENSEMBLE_TARGET = 4, 0.5
 
 
 def _fr_side(
@@ -130,6 +139,55 @@ def _stateful_side(
         return {k: p.detach() for k, p in own.named_parameters()}
 
     return step
+
+
+def _members(name: str) -> tuple[list[torch.nn.Module], torch.Tensor, torch.Tensor]:
+    """``ENSEMBLE`` models of ``name``, each initialised from its own seed, and a batch."""
+    _, x, y = build(name)
+    models = []
+    for m in range(ENSEMBLE):
+        torch.manual_seed(m)
+        models.append(build(name)[0])
+    return models, x, y
+
+
+def _ensemble_side(models: list[torch.nn.Module], x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    """``vmap`` of one ``fr.distributed.grad_and_value`` over the members' stacked parameters."""
+    params, _ = torch.func.stack_module_state(models)
+    params = {k: v.detach().clone() for k, v in params.items()}
+    base = models[0]
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(torch.func.functional_call(base, p, (x,)), y)
+
+    step_fn = torch.vmap(fr.distributed.grad_and_value(loss_fn), in_dims=(0, None, None))
+
+    def step() -> Any:
+        nonlocal params
+        grads, _ = step_fn(params, x, y)
+        params = {k: p - LR * grads[k] for k, p in params.items()}
+        return params
+
+    return step
+
+
+def _ddp_members(models: list[torch.nn.Module], x: torch.Tensor, y: torch.Tensor) -> Callable[[], Any]:
+    """One DDP model per member, stepped one after the other; the members' parameters stacked."""
+    steps = [_stateful_side(m, x, y, "ddp") for m in models]
+
+    def step() -> Any:
+        outs = [fn() for fn in steps]
+        return {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
+
+    return step
+
+
+def _bench_ensemble(rounds: int, steps: int) -> Rounds:
+    models, x, y = _members("small_mlp")
+    worst = _agree({"ddp": _ddp_members(models, x, y), "fr": _ensemble_side(models, x, y)})
+    if worst > 1e-5:
+        raise AssertionError(f"ensemble: the vmapped members disagree with DDP by {worst:.2e}")
+    return _rounds([_ddp_members(models, x, y), _ensemble_side(models, x, y)], rounds, steps)
 
 
 def _round_times(fn: Callable[[], Any], steps: int) -> float:
@@ -222,6 +280,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     """Every row's rounds, on this rank (both ranks run it: the sides are collective)."""
     rows: dict[str, Any] = {}
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
+    rows["ensemble"] = _bench_ensemble(args.rounds, args.steps)
     for name in args.models:
         rows[name] = _bench_step(name, args.rounds, args.steps)
     return rows
@@ -266,6 +325,9 @@ def run(
     for i, side, target in ((1, "", ALL_REDUCE), (2, ", check=False", None)):
         measure = f"fr.distributed.all_reduce (400 leaves){side} / {flat}"
         rows.append(Row(NAME, measure, "many_small", t.median(i), t.median(0), t.ratio(i), target))
+    t = results["ensemble"]
+    measure = f"vmap of grad_and_value over {ENSEMBLE} stacked members / {ENSEMBLE} DDP steps"
+    rows.append(Row(NAME, measure, "small_mlp", t.median(1), t.median(0), t.ratio(1), ENSEMBLE_TARGET))
     return rows
 
 

@@ -153,3 +153,52 @@ def test_distributed_functions_are_small(path: Path) -> None:
             if lines > 60 or (count > 8 and not public):
                 big.append(f"{node.name}: {lines} lines, {count} parameters")
     assert big == [], big
+
+
+_KIND_NAMES = ("reduce", "scatter", "gather", "all_reduce", "broadcast", "reduce_scatter", "all_gather")
+
+
+def _compares_a_kind_name(node: ast.AST) -> bool:
+    """``options.kind == "scatter"`` and kin: a kind tested by its name."""
+    if not isinstance(node, ast.Compare):
+        return False
+    sides = [node.left, *node.comparators]
+    named = any(isinstance(x, ast.Constant) and x.value in _KIND_NAMES for x in sides)
+    kinds = [
+        x for x in sides if "kind" in ast.unparse(x) and not isinstance(x, ast.Constant)
+    ]
+    return named and bool(kinds)
+
+
+def test_no_kind_is_tested_by_its_name_outside_the_wire_format() -> None:
+    # issue 23: the kind is an object (_wire) whose attributes and methods say what differs
+    offenders = []
+    for path in sorted((PACKAGE / "_distributed").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if _compares_a_kind_name(node):
+                offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == [], offenders
+    assert _compares_a_kind_name(ast.parse('options.kind == "scatter"').body[0].value)  # type: ignore[attr-defined]
+    assert not _compares_a_kind_name(ast.parse('mode == "broadcast"').body[0].value)  # type: ignore[attr-defined]
+
+
+def test_the_call_driver_issues_no_collective_itself() -> None:
+    # issue 23: _call drives a call; the kinds (_wire) and the transports start collectives
+    source = (PACKAGE / "_distributed" / "_call.py").read_text()
+    calls = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "dist"
+        and node.attr not in ("get_rank", "get_world_size")
+    ]
+    assert calls == [], [f"dist.{c.attr} at line {c.lineno}" for c in calls]
+
+
+def test_the_distributed_package_draws_its_call_paths() -> None:
+    import freplicate._distributed as package
+
+    doc = package.__doc__ or ""
+    for part in ("_wire", "_rules", "Eager.start", "start_traced", "kind.transpose", "Reverse.apply"):
+        assert part in doc, part

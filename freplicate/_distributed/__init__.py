@@ -1,21 +1,71 @@
 """Data parallelism across processes: the functional DDP and ZeRO, written once for eager and compiled.
 
 The functional counterpart of DistributedDataParallel, of the composable
-``replicate`` and of ZeRO's sharded optimizer state: instead of hooks on a
-module and a reducer hidden in it, collective functions on trees, built on
-``torch.distributed`` itself (gloo on CPU, NCCL on CUDA). The layers, from
-the ground up (arrows point down only):
+``replicate``, of ZeRO's sharded optimizer state and of FSDP: instead of
+hooks on a module and a reducer hidden in it, collective functions on trees,
+built on ``torch.distributed`` itself (gloo on CPU, NCCL on CUDA), each a
+primitive with JAX's rules, so that they compose with autograd and torch.func.
 
-* ``_group``: the process group, and the protocol's error types;
-* ``_options``, ``_flags``: a call's options; the words that ride in its buckets;
-* ``_layout``: pure: a tree's signatures -> buckets, fingerprint, mismatch text;
-* ``_transport``: eager (pools, async work) and traced (functional collectives);
-* ``_copy``: copy-in and copy-out of buckets, the same in both;
-* ``_agree`` (eager) and ``_store`` (traced): the cross-rank agreement;
-* ``_plans``: a tree -> its layout, cached eagerly, baked in while tracing;
-* ``_call``: one call through a transport, and the failure protocol;
-* ``_collectives``, ``_step``, ``_backward``, ``_join``, ``_carry``, ``_shard``: the public
-  functions.
+The layers, from the ground up (arrows point down only)::
+
+    _group     the process group; the protocol's error types; collective(): torch's errors named
+    _wire      THE WIRE FORMAT: each kind (ALL_REDUCE, BROADCAST, REDUCE_SCATTER, ALL_GATHER) an
+               object owning its chunks, cells, buffer sizes, copy-in/out, eager and traced
+               starts, and its rules (transpose, tangent, batch); Spec: one call but its data
+    _options   a call's options (every rank must pass them alike)
+    _flags     the words that ride at the end of a call's buckets
+    _layout    pure: a tree's signatures -> buckets (DDP's rule), fingerprint, mismatch text
+    _transport where buffers come from and how a kind's collective runs: Eager | Traced
+    _agree     the cross-rank agreement, eagerly (fast path in the first bucket's words)
+    _store     the same while tracing, once per trace, through the group's store
+    _plans     a tree (or a rule's tensors) -> its layout, cached eagerly, baked in traced
+    _call      Call(Request): agree, launch buckets in order (what each carries: a Send),
+               finish; the failure protocol; it issues no collective itself
+    _rules     apply(): a call plainly, or through a functorch-aware autograd.Function whose
+               backward / jvp / vmap are the kind's rules; Pending: a call started, finished later
+    _collectives, _step, _backward, _join, _carry, _shard, _sharded, _dcp, _materialize
+               the public functions
+
+One call, eagerly (``all_reduce(tree)``; ``broadcast``, ``reduce_scatter``,
+``all_gather`` alike, their kind deciding every step below the Call)::
+
+    all_reduce(tree)
+      -> _options.reduction                      checked options (kind, op, cap, compress)
+      -> _collectives.collect
+           plan_of(tree)                         layout from the leaves' signatures (cached)
+           needs_rules(tensors)?  -- no -->  Call(Request(plan, ...))
+                                              .begin()      _agree.agree: fast path, or a verdict
+                                              .launch_rest  kind.pack -> Eager.start (async, pooled)
+                                              .finish()     wait, read the words, kind.views
+                  -- yes (a transform, a forward-AD level, an input requiring grad) -->
+                                         _rules.apply -> Primitive.apply(spec, *tensors)
+                                              forward   = the same plain Call
+                                              backward  = kind.transpose(...)   via apply again
+                                              jvp       = kind.tangent(...)     via apply again
+                                              vmap      = kind.batch(...)       via apply again
+      -> plan.rebuild                            the tree of results (views of the buckets)
+
+The same call while ``torch.compile`` traces::
+
+    all_reduce(tree)
+      -> collect -> plan_of -> _plans._traced
+           _layout_now (assume_constant_result: runs for real, once per trace)
+                -> build the layout, _store.check it across ranks -> baked into the graph
+      -> Call(Request) with the Traced transport
+           kind.joined (a reduction: one cat) or pack into a fresh buffer
+           kind.start_traced -> torch.ops._c10d_functional.*  (in the graph; wait_tensor at finish)
+      a graph-carrying input: Reverse.apply (the reverse rule only: Dynamo refuses a custom jvp);
+      inside a torch.func transform: refused (Dynamo would trace the rules without collectives)
+
+A gradient step (``grad_and_value(fn)(params, ...)``, a ``Step``) is one Call
+on the gradients' layout: eagerly its buckets start from hooks on fresh
+leaves as the backward pass fills them (``_backward``, DDP's overlap); with a
+graph-carrying input, under a transform, or compiled, the local gradients
+come first (``fr.grad_and_value``) and the same buckets after, through the
+rules where they apply. ZeRO-3 (``_sharded.apply_sharded``) gathers each unit
+through ``ALL_GATHER`` just before it runs (the next one ``Pending``
+meanwhile) and again in the backward pass; the gather's transpose is the
+gradient's reduce-scatter.
 """
 
 from ._collectives import all_gather as all_gather

@@ -28,6 +28,7 @@ from .._tree import (
     describe,
     first_difference,
     flatten_in_order,
+    paths_of,
     rebuild,
     tensor_values,
 )
@@ -424,11 +425,20 @@ def shard(tree: TensorTree, *, group: Any = None) -> TensorTree:
         >>> fr.distributed.shard({"w": torch.ones(3, 2)})["w"].shape  # one rank: every row
         torch.Size([3, 2])
     """
-    rank, world = _rank_and_world(group, "fr.distributed.shard")
+    caller = "fr.distributed.shard"
+    rank, world = _rank_and_world(group, caller)
     if world <= 1:
         return tree
     leaves, spec = flatten_in_order(tree)
     unique, slot = alias_groups(leaves)  # a tied tensor: one view, tied in the result too
+    for i in unique:
+        if isinstance(leaves[i], torch.Tensor) and leaves[i].layout != torch.strided:
+            path = paths_of(spec)[i]
+            raise TypeError(
+                f"{caller}: the tensor at {path} has layout {leaves[i].layout}, whose rows cannot "
+                "be taken as a view (a shard takes dense tensors only, as reduce_scatter and "
+                "all_gather do); convert it (e.g. .to_dense()) or keep it out of the tree"
+            )
     return rebuild(spec, leaves, slot, [_rows(leaves[i], rank, world) for i in unique])
 
 
