@@ -197,6 +197,8 @@ def _probe(
 def _different_values(layout: Layout, group: Any, caller: str, sums: Sequence[int]) -> NoReturn:
     """The differentiated parameters differ across ranks: name the first leaf that does."""
     everyone = _everyone(list(sums), group, caller)
+    if len({len(e) for e in everyone}) > 1:  # ranks differentiating different trees
+        exchange(layout, group, caller)
     paths = layout.description[0]
     for k, i in enumerate(layout.unique):
         mine = everyone[0][k]

@@ -102,6 +102,7 @@ class Call:
         "launched",
         "layout",
         "pending",
+        "probed",
         "rank",
         "redo",
         "request",
@@ -123,6 +124,7 @@ class Call:
         )
         self.rank = dist.get_rank(request.group) if layout.world > 1 else 0
         self.fast = False
+        self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
         self.redo = False
         self.joining: _carry.Joining | None = None
@@ -137,10 +139,16 @@ class Call:
         return self.transport.eager
 
     def begin(self, checksums: Any = None) -> None:
-        """Agree on the layout (eagerly, with the check): the fast path, or a verdict now."""
+        """Agree on the layout: eagerly the fast path or a verdict now; traced, the probe that
+        the graph's first bucket waits for (``_store``)."""
         r = self.request
-        if self.eager and r.check:
+        if not r.check:
+            return
+        if self.eager:
             self.fast = agree(self.layout, r.group, r.world, r.caller, checksums)
+        else:
+            device = self.layout.buckets[0].device
+            self.probed = self.transport.probe(self.layout.fingerprint, device)  # type: ignore[union-attr]
 
     def launch(self, b: int, parts: Sequence[Part] | None, send: Send) -> None:
         """Bucket ``b`` (the next one), from ``parts`` (one per run) as ``send`` says."""
@@ -212,6 +220,8 @@ class Call:
         out = torch.tensor(words, dtype=bucket.comm, device=bucket.device)
         if carried is not None:
             out[_flags.WEIGHT] = carried
+        if b == 0 and self.probed is not None:  # after the probe, in the graph's order
+            out = out + self.probed.to(out.dtype)
         return out
 
     def launch_sparse(self, tensors: Sequence[torch.Tensor], send: Send) -> None:

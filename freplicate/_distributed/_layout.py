@@ -137,7 +137,7 @@ def build(tree: Tree, options: Options, world: int, caller: str, words: torch.de
     ]
     if not made:
         made.append(_words_only(sigs[sparse[0]][2] if sparse else words, chunks))
-    description = _description(tree, whole, options)
+    description = _description(tree, whole, options, caller)
     digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
     return Layout(
         options=options,
@@ -173,14 +173,17 @@ def _tensor_sig(sig: Sig | None, kind: Kind) -> Sig:
     return sig if order == sig[4] else (*sig[:4], order)  # type: ignore[return-value]
 
 
-def _description(tree: Tree, whole: tuple[bool, ...], options: Options) -> tuple[Any, ...]:
-    """What ranks compare (and hash): paths, signatures, ties, held-whole tensors, kind, options."""
+def _description(
+    tree: Tree, whole: tuple[bool, ...], options: Options, caller: str
+) -> tuple[Any, ...]:
+    """What ranks compare (and hash): paths, signatures, ties, held-whole tensors, kind, options,
+    and the function that calls (two functions of one kind and options are two calls)."""
     sigs = tuple(
         None if s is None else (tuple(s[0]), str(s[1]), s[2].type, str(s[3]), s[4])
         for s in tree.sigs
     )
     slot = None if tree.slot is None else tuple(tree.slot)
-    return (tuple(tree.paths), sigs, slot, whole, options.kind, options.describe())
+    return (tuple(tree.paths), sigs, slot, whole, options.kind, options.describe(), caller)
 
 
 def _words_only(device: torch.device, chunks: int) -> Bucket:
@@ -318,8 +321,8 @@ def difference(
 
     The same text eager and compiled: every mismatch error names it.
     """
-    caller_a, (paths_a, sigs_a, slot_a, whole_a, kind_a, opts_a) = mine
-    caller_b, (paths_b, sigs_b, slot_b, whole_b, kind_b, opts_b) = theirs
+    caller_a, (paths_a, sigs_a, slot_a, whole_a, kind_a, opts_a, _) = mine
+    caller_b, (paths_b, sigs_b, slot_b, whole_b, kind_b, opts_b, _) = theirs
     on = f"on rank {rank}"
     there = f"on rank {other}"
     if caller_a != caller_b:

@@ -155,7 +155,7 @@ def plan_of(
     values = tensor_values(tree)
     if values is not None and len(set(map(id, values))) == len(values):
         sigs = _sigs(values)
-        key: tuple[Any, ...] = (_DICT, tuple(tree), sigs, options, chunks)
+        key: tuple[Any, ...] = (_DICT, tuple(tree), sigs, options, chunks, caller)
         plan = _PLANS.get(key)
         if plan is None:
             keys = tuple(tree)
@@ -171,7 +171,7 @@ def plan_of(
     signed: tuple[Sig | None, ...] = tuple(
         (*_BASE(x), next(orders)) if isinstance(x, torch.Tensor) else None for x in leaves
     )
-    key = (spec, signed, None if bare else tuple(slot), options, chunks)
+    key = (spec, signed, None if bare else tuple(slot), options, chunks, caller)
     plan = _PLANS.get(key)
     if plan is None:
         described = Tree(paths_of(spec), signed, None if bare else slot)
@@ -197,7 +197,7 @@ def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
     if is_compiling():
         layout = _layout_traced(described, options, spec.group, world, caller, spec.check)
         return Plan(layout, None, None, eager=False)
-    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world))
+    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world), caller)
     plan = _PLANS.get(key)
     if plan is None:
         layout = build(described, options, world, caller, comm_device(spec.group))
@@ -307,7 +307,7 @@ def _layout_now(
     """
     options = Options(*fields)
     tree = Tree(*described)
-    key = (described, options, world)
+    key = (described, options, world, caller)
     layout = _LAYOUTS.get(key)
     if layout is None:
         try:
@@ -323,6 +323,7 @@ def _layout_now(
         _LAYOUTS[key] = layout
         while len(_LAYOUTS) > _CACHE_SIZE:
             del _LAYOUTS[next(iter(_LAYOUTS))]
+    _store.remember(group_name, caller, layout)
     if check:
         error = _store.check(caller, group_name, layout)
         if error is not None:

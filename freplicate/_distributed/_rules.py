@@ -42,7 +42,7 @@ from ._call import Announced, Call, Request, send_of
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
-__all__ = ["Pending", "Primitive", "Reverse", "apply", "needs_rules", "plain"]
+__all__ = ["Pending", "Primitive", "Reverse", "apply", "as_rule", "needs_rules", "plain"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -130,7 +130,7 @@ class Reverse(torch.autograd.Function):
         grads: list[Any] = [None] * len(cts)
         live = ctx.live
         if live:
-            spec = _subset(ctx.spec, live)
+            spec = _subset(as_rule(ctx.spec, "backward"), live)
             inputs = [ctx.inputs[k] for k in live]
             got = KINDS[spec.options.kind].transpose(spec, [cts[k] for k in live], inputs, apply)
             for k, g in zip(live, got):
@@ -152,11 +152,17 @@ class Primitive(Reverse):
         live = ctx.live
         out: list[Any] = [None] * len(tangents)
         if live:
-            spec = _subset(ctx.spec, live)
+            spec = _subset(as_rule(ctx.spec, "tangent"), live)
             given = [_tangent(tangents[k], ctx.inputs[k][0], *ctx.metas[k]) for k in live]
             for k, t in zip(live, KINDS[spec.options.kind].tangent(spec, given, apply)):
                 out[k] = t
         return tuple(out)
+
+
+def as_rule(spec: Spec, rule: str) -> Spec:
+    """``spec`` as its rule's call: its own function name, so that ranks tell it from a forward
+    call (a rank's backward beside another rank's next call raises, naming both)."""
+    return replaced(spec, caller=f"{spec.caller} ({rule})")
 
 
 def _tangent(t: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:

@@ -48,7 +48,7 @@ from .._tree import describe
 from ._call import Announced
 from ._group import world_size
 from ._options import Options
-from ._rules import Pending, apply, needs_rules
+from ._rules import Pending, apply, as_rule, needs_rules
 from ._wire import ALL_GATHER, KINDS, Spec, order_of, replaced, valid_rows
 
 __all__ = ["apply_sharded"]
@@ -251,7 +251,7 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        spec = ctx.spec
+        spec = as_rule(ctx.spec, "backward")
         return (None, *KINDS[spec.options.kind].transpose(spec, cts, ctx.inputs, apply))
 
 

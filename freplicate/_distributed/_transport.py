@@ -212,3 +212,11 @@ class Traced:
     def sum(self, t: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """A traced sum of ``t`` over the group (sparse tensors are refused while tracing)."""
         return self.ops.all_reduce(t, "sum", self.name), t
+
+    def probe(self, fingerprint: int, device: torch.device) -> torch.Tensor:
+        """The layout's probe, in the graph: a zero the first bucket's words depend on, or the
+        eager protocol's error on every rank where the ranks run different layouts (the op is
+        ``_store``'s, defined while the call's layout was planned)."""
+        words = torch.tensor([fingerprint, -fingerprint, 0, 0], dtype=torch.int64, device=device)
+        landed = self.ops.wait_tensor(self.ops.all_reduce(words, "max", self.name))
+        return torch.ops.freplicate.verify_layout(landed, fingerprint, self.name)  # type: ignore[no-any-return]
