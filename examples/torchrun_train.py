@@ -10,8 +10,9 @@ Every rank builds the same model, takes rank 0's parameters and buffers
 few SGD steps on its own data. ``fr.distributed.grad_and_value`` averages the
 gradients over the ranks during the backward pass, as DDP does;
 ``fr.distributed.sync_buffers`` gives every rank rank 0's BatchNorm
-statistics before each forward, as DDP does. The ranks end with the same
-parameters, which the script checks and prints.
+statistics before each step's forward, and before the evaluation that
+follows training, as DDP does. The ranks end with the same parameters,
+which the script checks and prints, with the validation loss.
 """
 
 from __future__ import annotations
@@ -49,6 +50,18 @@ def main() -> None:
         grads, (loss, buffers) = step(params, buffers, x, y)
         params = {k: p - 0.1 * grads[k] for k, p in params.items()}
         print(f"rank {rank} step {i}: local loss {loss.item():.4f}", flush=True)
+
+    # DDP broadcasts rank 0's buffers on the first forward after training, an evaluation under
+    # no_grad included: without this sync, every other rank would evaluate on its own statistics
+    buffers = fr.distributed.sync_buffers(buffers)
+    model.eval()
+    with torch.no_grad():
+        x, y = torch.randn(64, 8, generator=data), torch.randint(0, 4, (64,), generator=data)
+        out, _ = fr.apply(model, fr.State(params, buffers), x)
+        val = fr.distributed.all_reduce(F.cross_entropy(out, y))  # the mean over the ranks
+    model.train()
+    if rank == 0:
+        print(f"validation loss (mean over {world} ranks): {val.item():.4f}", flush=True)
 
     # the same parameters everywhere: rank 0's copy, broadcast, must equal ours exactly
     theirs = fr.distributed.broadcast(params)

@@ -9,7 +9,10 @@
   release: ``FREPLICATE_HYPOTHESIS_PROFILE=thorough pytest property_tests``.
 
 This directory is put on ``sys.path`` so that the tests import their helpers
-by name, and the spawned distributed ranks can import the rank-side code.
+by name, and the spawned distributed ranks can import the rank-side code; so
+is the repository's root, so that the ranks can import a test module itself
+by the name pytest gives it (``property_tests.test_docs_ddp_example``, under
+``--import-mode=importlib``), whichever way pytest was started.
 """
 
 import os
@@ -19,6 +22,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(1, str(Path(__file__).parent.parent))
 
 _COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 settings.register_profile("ci", max_examples=50, derandomize=True, database=None, **_COMMON)

@@ -1,10 +1,13 @@
 """``fr.distributed`` on 2 gloo ranks equals DDP and the leaf-wise reductions it promises.
 
-The ranks are spawned once for this file (``RankPool``) and every drawn
-example is sent to both; each rank compares ``fr.distributed`` with
+The ranks are spawned once for this file (``fr.testing.RankPool``) and every
+drawn example is sent to both; each rank compares ``fr.distributed`` with
 ``DistributedDataParallel`` (or with the reduction computed locally from
-every rank's known inputs) and replies. A handful of examples per property,
-as each one costs a few collectives; every wait is bounded.
+every rank's known inputs) and replies (``_property_ddp.py``). A handful of
+examples per property, as each one costs a few collectives; every wait is
+bounded. ``fr.testing.check_against_ddp`` runs whole loops of training
+steps, evaluations and forwards under ``no_grad`` on drawn modules beside
+DDP on the same ranks: the buffers synced where DDP syncs them.
 """
 
 from __future__ import annotations
@@ -15,13 +18,22 @@ from typing import Any
 import optree
 import pytest
 import torch
-from _property_ddp import WORLD, RankPool
+from _property_ddp import (
+    WORLD,
+    check_all_reduce,
+    check_broadcast,
+    check_grad_and_value,
+    check_large_half_mean,
+    check_mismatch,
+    check_training_module,
+    on_rank,
+)
 from _property_support import examples
 from hypothesis import given
 from hypothesis import strategies as st
 from test_half_precision import large
 
-from freplicate.testing import modules, trees
+from freplicate.testing import RankPool, check_against_ddp, modules, trees
 from freplicate.testing._strategies import FLOAT_DTYPES
 
 pytestmark = pytest.mark.skipif(
@@ -31,15 +43,8 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def ranks() -> Iterator[RankPool]:
-    pool = RankPool(pg_timeout=30.0, reply_timeout=60.0)
-    yield pool
-    pool.close()
-
-
-def _all_ok(replies: list[tuple[str, Any]]) -> list[Any]:
-    for rank, (status, value) in enumerate(replies):
-        assert status == "ok", f"rank {rank}: {value}"
-    return [value for _, value in replies]
+    with RankPool(WORLD, timeout=30.0, deadline=60.0) as pool:
+        yield pool
 
 
 # DDP refuses a module without parameters (BatchNorm without affine): every kind but that
@@ -63,19 +68,15 @@ def test_grad_and_value_equals_ddp(
 ):
     module, inputs = pair
     per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
-    _all_ok(
-        ranks.run(
-            "grad_and_value",
-            {
-                "module": module,
-                "inputs": per_rank,
-                "bucket_cap_mb": cap,
-                "compress": compress,
-                "has_aux": has_aux,
-                "mode": mode,
-            },
-        )
-    )
+    payload = {
+        "module": module,
+        "inputs": per_rank,
+        "bucket_cap_mb": cap,
+        "compress": compress,
+        "has_aux": has_aux,
+        "mode": mode,
+    }
+    ranks.run(on_rank, check_grad_and_value, payload)
 
 
 summable = trees(dtypes=(*FLOAT_DTYPES, torch.int64, torch.int32), max_leaves=5)
@@ -89,7 +90,7 @@ def test_all_reduce_is_the_sum_or_mean_over_ranks(
     tree = data.draw(trees(dtypes=FLOAT_DTYPES, max_leaves=5) if op == "mean" else summable)
     payload = {"tree": tree, "op": op, "bucket_cap_mb": cap, "compress": compress, "seed": 7}
     payload["mode"] = mode
-    _all_ok(ranks.run("all_reduce", payload))
+    ranks.run(on_rank, check_all_reduce, payload)
 
 
 @examples(0.2)
@@ -97,7 +98,7 @@ def test_all_reduce_is_the_sum_or_mean_over_ranks(
 def test_broadcast_gives_every_rank_the_source_values(
     ranks: RankPool, tree: Any, src: int, seed: int, mode: str
 ):
-    _all_ok(ranks.run("broadcast", {"tree": tree, "src": src, "seed": seed, "mode": mode}))
+    ranks.run(on_rank, check_broadcast, {"tree": tree, "src": src, "seed": seed, "mode": mode})
 
 
 @examples(0.2)
@@ -116,7 +117,7 @@ def test_trees_that_differ_across_ranks_raise_on_every_rank(
     bent[i] = torch.zeros(leaves[i].numel() + 1, dtype=leaves[i].dtype)  # another shape
     pair = [tree, optree.tree_unflatten(spec, bent)]
     payload = {"trees": pair, "reduced_before": reduced_before, "mode": mode}
-    messages = _all_ok(ranks.run("mismatch", payload))
+    messages = ranks.run(on_rank, check_mismatch, payload)
     for message in messages:
         assert message.startswith("fr.distributed.all_reduce")
 
@@ -128,7 +129,7 @@ def _training_module(
     module, inputs = pair
     per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
     payload = {"module": module, "inputs": per_rank, "mode": mode}
-    _all_ok(ranks.run("training_module", payload))
+    ranks.run(on_rank, check_training_module, payload)
 
 
 @examples(0.2)
@@ -162,4 +163,37 @@ def test_grad_and_value_equals_ddp_on_frozen_sub_trees(
 )
 def test_all_reduce_mean_of_large_half_values_is_finite(ranks: RankPool, tree: Any, seed: int):
     everyone = [large(tree, seed + r) for r in range(WORLD)]
-    _all_ok(ranks.run("large_half_mean", {"trees": everyone}))
+    ranks.run(on_rank, check_large_half_mean, {"trees": everyone})
+
+
+PHASES = st.lists(st.sampled_from(["step", "eval", "no_grad"]), min_size=1, max_size=5)
+
+
+def _check_loops(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], phases: list[str], sync: bool, data: Any
+) -> None:
+    module, inputs = pair
+    per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
+    check_against_ddp(
+        module, per_rank, pool=ranks, phases=phases, sync_buffers=sync, rtol=0, atol=0
+    )
+
+
+@examples(0.3)
+@given(modules(kinds=DDP_KINDS), PHASES, st.booleans(), st.data())
+def test_check_against_ddp_on_drawn_modules_and_phases(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], phases: list[str], sync: bool, data: Any
+):
+    # training steps, evaluations and forwards under no_grad in any order: fr.distributed's loop
+    # gives DDP's outputs, losses, gradients, buffers and parameters to the bit
+    _check_loops(ranks, pair, phases, sync, data)
+
+
+@examples(0.3)
+@given(modules(kinds=["conv", "buffers"], training=True), PHASES, st.data())
+def test_buffers_are_synced_where_ddp_syncs_them(
+    ranks: RankPool, pair: tuple[torch.nn.Module, Any], phases: list[str], data: Any
+):
+    # buffers that every training-mode forward updates, differently on each rank: a sync before
+    # a forward DDP does not sync before (after a no_grad forward), or none where it does, differs
+    _check_loops(ranks, pair, phases, True, data)

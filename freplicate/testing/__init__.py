@@ -2,13 +2,18 @@
 
 Hypothesis strategies that draw trees of tensors, small modules with valid
 inputs, and device lists; ``assert_trees_close``, which names the first path
-at which two trees differ; and ``check_against_stateful``, the oracle that
+at which two trees differ; ``check_against_stateful``, the oracle that
 runs a module through ``fr.data_parallel`` and through PyTorch's stateful
 DataParallel path on the same inputs and compares outputs, gradients and
-buffers; ``init_loopback_group``, a gloo group for multi-process tests on
-one machine that talks over loopback only. Needs the optional ``hypothesis`` dependency
-(from a clone of the repository: ``pip install -e '.[testing]'``, or ``pip install hypothesis``). Like a user's code, it relies only
-on the public face of ``freplicate``.
+buffers; ``check_against_ddp``, the oracle that trains a module with
+``fr.distributed`` and with ``DistributedDataParallel`` on the ranks of a
+``RankPool`` (gloo processes on this machine, loopback only, started once
+and reused) and compares them phase by phase, evaluation included; and
+``init_loopback_group``, the gloo group those ranks join, for ranks you
+start yourself. Needs the optional ``hypothesis`` dependency (from a clone
+of the repository: ``pip install -e '.[testing]'``, or ``pip install
+hypothesis``). Like a user's code, it relies only on the public face of
+``freplicate``.
 
 >>> import freplicate as fr
 >>> fr.testing.assert_trees_close({"w": torch.ones(2)}, {"w": torch.ones(2)})
@@ -23,14 +28,18 @@ except ImportError as err:
     ) from err
 
 from ._assertions import assert_trees_close as assert_trees_close
+from ._ddp import check_against_ddp as check_against_ddp
 from ._groups import init_loopback_group as init_loopback_group
 from ._oracle import check_against_stateful as check_against_stateful
+from ._pool import RankPool as RankPool
 from ._strategies import devices as devices
 from ._strategies import modules as modules
 from ._strategies import trees as trees
 
 __all__ = [
+    "RankPool",
     "assert_trees_close",
+    "check_against_ddp",
     "check_against_stateful",
     "devices",
     "init_loopback_group",

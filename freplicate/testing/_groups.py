@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["init_loopback_group"]
+__all__ = ["check_int", "check_seconds", "check_world_size", "init_loopback_group"]
 
 
 def init_loopback_group(
@@ -59,16 +59,31 @@ def _check(store: Any, rank: int, world_size: int, timeout: float) -> None:
     fn = "fr.testing.init_loopback_group"
     if not isinstance(store, (str, os.PathLike)):
         raise TypeError(f"{fn}: store must be a file path, got {type(store).__name__}")
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{fn}: {name} must be an int, got {value!r}")
-    if world_size < 1:
-        raise ValueError(f"{fn}: world_size must be at least 1, got world_size={world_size}")
+    check_int(fn, "rank", rank)
+    check_world_size(fn, world_size)
     if not 0 <= rank < world_size:
         raise ValueError(
             f"{fn}: rank must be in [0, world_size) = [0, {world_size}), got rank={rank}"
         )
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"{fn}: timeout must be a number of seconds, got {timeout!r}")
-    if not timeout > 0:  # nan too
-        raise ValueError(f"{fn}: timeout must be a positive number of seconds, got {timeout!r}")
+    check_seconds(fn, "timeout", timeout)
+
+
+def check_int(fn: str, name: str, value: Any) -> None:
+    """``TypeError`` naming ``fn`` and ``name`` unless ``value`` is an int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{fn}: {name} must be an int, got {value!r}")
+
+
+def check_world_size(fn: str, world_size: Any) -> None:
+    """``TypeError`` or ``ValueError`` naming ``fn`` unless ``world_size`` is an int >= 1."""
+    check_int(fn, "world_size", world_size)
+    if world_size < 1:
+        raise ValueError(f"{fn}: world_size must be at least 1, got world_size={world_size}")
+
+
+def check_seconds(fn: str, name: str, value: Any) -> None:
+    """``TypeError`` or ``ValueError`` naming ``fn`` and ``name`` unless ``value`` is positive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{fn}: {name} must be a number of seconds, got {value!r}")
+    if not value > 0:  # nan too
+        raise ValueError(f"{fn}: {name} must be a positive number of seconds, got {value!r}")
