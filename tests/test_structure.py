@@ -200,5 +200,5 @@ def test_the_distributed_package_draws_its_call_paths() -> None:
     import freplicate._distributed as package
 
     doc = package.__doc__ or ""
-    for part in ("_wire", "_rules", "Eager.start", "start_traced", "kind.transpose", "Reverse.apply"):
+    for part in ("_wire", "_rules", "Eager.start", "start_traced", "kind.transpose", "kind.joined"):
         assert part in doc, part

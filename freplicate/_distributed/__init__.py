@@ -52,10 +52,14 @@ The same call while ``torch.compile`` traces::
            _layout_now (assume_constant_result: runs for real, once per trace)
                 -> build the layout, _store.check it across ranks -> baked into the graph
       -> Call(Request) with the Traced transport
-           kind.joined (a reduction: one cat) or pack into a fresh buffer
+           begin: the probe (a fixed-size MAX all-reduce of the fingerprint, read by an op the
+                  first bucket's words depend on: ranks on other layouts raise, never abort)
+           kind.joined: the send buffer as one cat of the parts (rank-major where rowed)
            kind.start_traced -> torch.ops._c10d_functional.*  (in the graph; wait_tensor at finish)
-      a graph-carrying input: Reverse.apply (the reverse rule only: Dynamo refuses a custom jvp);
-      inside a torch.func transform: refused (Dynamo would trace the rules without collectives)
+      kind.joined: the buffer built of differentiable ops, so that a graph-carrying input keeps
+      its graph: the functional collectives' own autograd is the kinds' transposes (one graph,
+      forward and AOT's backward); inside a torch.func transform: refused (Dynamo would trace
+      an autograd.Function's rules without their collectives)
 
 A gradient step (``grad_and_value(fn)(params, ...)``, a ``Step``) is one Call
 on the gradients' layout: eagerly its buckets start from hooks on fresh

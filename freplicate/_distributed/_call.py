@@ -82,7 +82,9 @@ def send_of(request: Request, *, weight: Any = None, sending: bool | None = None
     """The plain ``Send`` of a call: its kind's sender, a mean's ``1 / W`` or a weight."""
     options = request.plan.layout.options
     kind = KINDS[options.kind]  # a lookup Dynamo traces (not a property of a constant)
-    mean = options.op == "mean" and kind.divides
+    # a mean divides as it packs; an all-gather's mean is its transpose's: it packs as it is,
+    # and, traced, scales its shards' gradient (``AllGather.joined``; eagerly its rules divide)
+    mean = options.op == "mean"
     scale = weight if weight is not None else (1.0 / request.world if mean else None)
     own = kind.sends(options) if sending is None else sending
     return Send(own, scale, weight)
@@ -157,17 +159,18 @@ class Call:
         if b == 0:
             self.sent = send
         bucket = self.layout.buckets[b]
-        ours = None if parts is None or not send.sending else _merged(self.layout, b, parts, send)
         words = self._words(b, bucket, send) if bucket.extra else None
-        buf = None if self.eager else self.kind.joined(bucket, ours, send.scale, words)
-        if buf is None:  # a buffer of the transport's, packed
-            buf = self.transport.send(b, bucket)
-            if ours is None:
+        ours = parts if parts is None or not send.sending else _merged(self.layout, b, parts, send)
+        if self.eager:  # a pooled buffer, packed (no graph: ``_rules`` keeps it)
+            buf = self.transport.send(b, bucket)  # type: ignore[union-attr]
+            if ours is None or not send.sending:
                 self.kind.fill(bucket, buf)
             else:
                 self.kind.pack(bucket, buf, ours, self.rank, send.scale)
             if words is not None:
                 self.kind.put_words(bucket, buf, words)
+        else:  # one new tensor, in the graph (and in autograd's, where its parts are)
+            buf = self.kind.joined(bucket, ours, send, words, self.rank)
         self.pending.append(self.transport.start(b, bucket, buf))
         self.launched += 1
 
@@ -290,10 +293,12 @@ class Call:
         buckets = self.layout.buckets
         # the results' views first, while the buckets are in flight, wherever it is known
         # where their values will land (they read none): no time after the collectives
+        # (eagerly: traced, views made before ``land`` writes their base would break autograd's
+        # rule for views of a base modified in place)
         res = [t.result(b, bucket) for b, bucket in enumerate(buckets)]
         where = [r if r is not None else t.landing(h) for r, h in zip(res, self.pending)]
         early = [
-            None if w is None else kind.views(bucket, w, self.rank)
+            None if w is None or not t.eager else kind.views(bucket, w, self.rank)
             for bucket, w in zip(buckets, where)
         ]
         if self.fast:
@@ -307,8 +312,10 @@ class Call:
         out: list[torch.Tensor] = []
         for b, bucket in enumerate(buckets):
             buf = kind.land(bucket, landed[b], res[b])
-            if weighted:
-                _divide(buf[: bucket.data] if not kind.gathers else buf, total)
+            if weighted and self.eager:
+                _divide(buf[: bucket.data], total)
+            elif weighted:  # traced: a new buffer, in autograd's graph
+                buf = torch.where(total == 0, torch.zeros_like(buf), buf / total)  # type: ignore[arg-type, operator]
             got = early[b]
             out += got if got is not None else kind.views(bucket, buf, self.rank)
         if weighted and sparse:

@@ -37,7 +37,7 @@ from ._call import Announced, Call, Request, Send, send_of
 from ._group import check_src, world_size
 from ._options import Options, reduction, weight_value
 from ._plans import Plan, plan_of
-from ._rules import apply, needs_rules, plain
+from ._rules import apply, held, needs_rules, plain
 from ._wire import ALL_GATHER, ALL_REDUCE, BROADCAST, REDUCE_SCATTER, Spec, replaced, valid_rows
 
 __all__ = [
@@ -498,7 +498,7 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
                 parts = [plan.parts(b, mine) for b in range(len(layout.buckets))]
                 call.launch_rest(parts, send_of(request))
                 # a 0-dim leaf: a new tensor too, so results never alias the shards given
-                results = call.finish(local=[mine[k].clone() for k in layout.local])
+                results = call.finish(local=held(spec, [mine[k] for k in layout.local]))
             return plan.rebuild(leaves, results)
     layout = plan.layout
     paths = tuple(layout.description[0][i] for i in layout.unique)

@@ -32,7 +32,7 @@ from .._caches import register
 from .._torch import assume_constant_result, graph_break, is_compiling, resolve_group
 from .._tree import NAMESPACE, alias_groups, flatten_in_order, paths_of, picker, tensor_values
 from .._typing import TensorTree
-from . import _store
+from . import _ops, _store
 from ._group import comm_device
 from ._layout import Layout, Sig, Tree, build
 from ._options import Options
@@ -188,7 +188,7 @@ def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
     Its layout is that of the caller's tree, flattened: ``spec.paths`` name
     the tensors; an all-gather's full shapes are ``spec.like``'s.
     """
-    sigs = _sigs(tensors)
+    sigs: tuple[Any, ...] = tuple(map(_traced_sig, tensors)) if is_compiling() else _sigs(tensors)
     if spec.like is not None:
         sigs = tuple((shape, *s[1:4], order) for s, (shape, order) in zip(sigs, spec.like))
     whole = spec.wholes([s[0] for s in sigs])
@@ -323,7 +323,7 @@ def _layout_now(
         _LAYOUTS[key] = layout
         while len(_LAYOUTS) > _CACHE_SIZE:
             del _LAYOUTS[next(iter(_LAYOUTS))]
-    _store.remember(group_name, caller, layout)
+    _ops.remember(group_name, caller, layout)
     if check:
         error = _store.check(caller, group_name, layout)
         if error is not None:

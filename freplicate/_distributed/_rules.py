@@ -15,12 +15,18 @@ and every rule calls. It decides by types, never by an error's text:
   graph (double backward) or is batched (``jacrev``) goes through the rules
   again, so transforms nest as they do on any torch op.
 
-Under ``torch.compile`` the reverse-mode rule alone is traced (``Reverse``:
-Dynamo refuses a custom ``jvp``); inside a ``torch.func`` transform or a
-forward-mode level, which Dynamo traces through an ``autograd.Function``
-into a graph without the collective's rules (measured on torch 2.13: a
-``vmap``'s collective dropped on one rank, a ``jvp``'s tangent zero), a call
-is refused with a ``RuntimeError`` that says to run it eagerly.
+Under ``torch.compile`` no ``autograd.Function`` is traced: the traced call
+packs its buckets with differentiable ops and moves them with the functional
+collectives, whose own autograd formulas (registered by torch: all-reduce's
+transpose an all-reduce, all-gather's a reduce-scatter, sums) are the kinds'
+transposes, so a graph-carrying input keeps its graph in one compiled graph,
+forward and backward (a tensor held whole through an all-gather takes
+``_ops``' ``held`` op, whose backward all-reduces). Inside a ``torch.func``
+transform or a forward-mode level, which Dynamo traces through an
+``autograd.Function`` into a graph without the collective's rules (measured
+on torch 2.13: a ``vmap``'s collective dropped on one rank, a ``jvp``'s
+tangent zero), a call is refused with a ``RuntimeError`` that says to run it
+eagerly.
 
 Every rank must apply the same transforms to the same calls: a rule's
 collectives are calls like any other, checked across ranks, and a rank
@@ -36,13 +42,14 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as forward_ad
+import torch.distributed as dist
 
 from .._torch import is_compiling, transform_level
 from ._call import Announced, Call, Request, send_of
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
-__all__ = ["Pending", "Primitive", "Reverse", "apply", "as_rule", "needs_rules", "plain"]
+__all__ = ["Pending", "Primitive", "apply", "as_rule", "held", "needs_rules", "plain"]
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
@@ -50,13 +57,14 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 def apply(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The collective ``spec`` of ``tensors`` (distinct ones), through its rules where they apply."""
     if needs_rules(tensors, spec.caller):
-        fn = Reverse if is_compiling() else Primitive
-        return list(fn.apply(spec, *tensors))
+        return list(Primitive.apply(spec, *tensors))
     return plain(spec, tensors)
 
 
 def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
     """Whether a call on ``tensors`` must go through its rules (see the module's text).
+
+    While Dynamo traces, never (the traced call is differentiable itself).
 
     Raises:
         RuntimeError: while Dynamo traces inside a ``torch.func`` transform
@@ -73,7 +81,7 @@ def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
                 "or torch.autograd.grad), or call the collectives outside the transform "
                 "(fr.distributed.grad_and_value does)"
             )
-        return torch.is_grad_enabled() and any([t.requires_grad for t in tensors])
+        return False
     if transform_level() is not None or _forward_level():
         return True
     return torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, tensors))
@@ -96,16 +104,29 @@ def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
             sparse = [tensors[k] for k in layout.sparse]
             call.launch_rest(parts, send_of(request), sparse)
-            # a tensor that stays (held whole, in an all-gather): a new one all the same
-            return call.finish(local=[tensors[k].clone() for k in layout.local])
+            return call.finish(local=held(spec, [tensors[k] for k in layout.local]))
 
 
 def _differentiable(t: torch.Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
-class Reverse(torch.autograd.Function):
-    """A collective with its reverse-mode and batching rules (what ``torch.compile`` traces)."""
+def held(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors an all-gather leaves where they are (held whole): new ones all the same.
+
+    Traced, in autograd's graph, through ``_ops``' ``held`` op, whose
+    backward is their transpose, an all-reduce (``spec``'s op); eagerly a
+    copy (the rules' transpose reduces them).
+    """
+    if not (is_compiling() and torch.is_grad_enabled()):
+        return [t.clone() for t in tensors]
+    pg = dist.group.WORLD if spec.group is None else spec.group
+    name, op, world = pg.group_name, spec.options.op, spec.world  # type: ignore[union-attr]
+    return [torch.ops.freplicate.held(t, op, world, name) for t in tensors]
+
+
+class Primitive(torch.autograd.Function):
+    """A collective with its rules: transpose, tangent and batching, each the kind's."""
 
     generate_vmap_rule = False
 
@@ -143,9 +164,6 @@ class Reverse(torch.autograd.Function):
         outs, dims = KINDS[spec.options.kind].batch(spec, tensors, in_dims[1:], apply)
         return tuple(outs), tuple(dims)
 
-
-class Primitive(Reverse):
-    """``Reverse`` with the forward-mode rule: the tangents through the same collective."""
 
     @staticmethod
     def jvp(ctx: Any, _spec: Any, *tangents: Any) -> tuple[Any, ...]:  # type: ignore[override]
@@ -210,5 +228,5 @@ class Pending:
         self.finished = True
         with Announced(self.spec.group, self.spec.world, self.spec.caller) as scope:
             scope.call = self.call
-            local = [self.tensors[k].clone() for k in self.plan.layout.local]
+            local = held(self.spec, [self.tensors[k] for k in self.plan.layout.local])
             return self.call.finish(local=local)

@@ -268,6 +268,7 @@ class _Session:
         # so that a unit's buffers go back to their pool once it is released
         self.live: dict[int, tuple[str, int, torch.dtype]] = {}
         self.again: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+        self.tokened: list[str] = []  # the units whose saved tensors are tokens, as they ran
         self.done = False  # the forward is over: a stand-in touched now is a recomputation
 
     # --- one unit's gather ---------------------------------------------------------------
@@ -380,6 +381,8 @@ class _Session:
         hit = self.live.get(t.untyped_storage().data_ptr())
         if hit is None or t.dtype != hit[2]:
             return t
+        if hit[0] not in self.tokened:
+            self.tokened.append(hit[0])
         return _Token(hit[0], hit[1], tuple(t.shape), tuple(t.stride()), int(t.storage_offset()))
 
     def unpack(self, saved: Any) -> Any:
@@ -410,7 +413,16 @@ class _Session:
             full = (pending or Pending(self._spec(names), shards)).finish()
         got = (_bases(full), dict(zip(names, full)))
         self.again = {unit: got}
+        if not torch.is_grad_enabled():
+            self._prefetch_before(unit)
         return got
+
+    def _prefetch_before(self, unit: str) -> None:
+        """Start the gather of the unit that ran before ``unit`` (the backward pass's next), if
+        it saved tensors: its gather travels while ``unit``'s backward computes."""
+        k = self.tokened.index(unit) if unit in self.tokened else 0
+        if k > 0 and self.tokened[k - 1] not in self.again:
+            self.start(self.tokened[k - 1])
 
     # --- the call, all units at once (compiled, transformed) -------------------------------
 

@@ -32,14 +32,13 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .._caches import register
 from .._torch import group_store, resolve_group
 from ._layout import Layout, difference
 
-__all__ = ["check", "remember"]
+__all__ = ["check"]
 
 # The layouts this process has seen every rank of a group check, per group object (weakly: a
 # group made again under the same name after destroy_process_group starts with none).
@@ -168,53 +167,3 @@ def _by_collective(caller: str, pg: Any, fingerprint: int, mine: Described) -> s
             error = difference(mine, rank, their_layout, r)
             return f"{caller}: {error} (checked when torch.compile traced this call)"
     return None
-
-
-# --- at run time, in the graph: the fingerprints compared by one fixed-size collective -----
-#
-# A compiled graph runs its collectives as they were traced: two ranks whose cached graphs
-# differ (an all_reduce on one, a reduce_scatter on the other) would meet in collectives of
-# different sizes, which gloo answers by aborting the process. Every traced call therefore
-# begins with a probe of the same size whatever its layout (its fingerprint and its negation,
-# MAX-reduced, as the eager probe), and the graph's first bucket depends on the op that reads
-# it (``verify``): ranks that run different layouts meet in the probe, and every rank raises
-# the eager protocol's error naming the difference. ``check=False`` leaves it out.
-
-_TRACED: OrderedDict[tuple[str, int], tuple[str, Layout]] = OrderedDict()
-_VERIFY: list[Any] = []
-
-
-def remember(group_name: str, caller: str, layout: Layout) -> None:
-    """A traced call's layout, kept for its probe to name a difference at run time.
-
-    Runs in plain Python while Dynamo traces (``_plans._layout_now``), where
-    the probe's op is defined the first time: an op cannot be defined in code
-    Dynamo traces, and defining it at import would cost every import.
-    """
-    _define_verify()
-    _TRACED[(group_name, layout.fingerprint)] = (caller, layout)
-    _TRACED.move_to_end((group_name, layout.fingerprint))
-    while len(_TRACED) > _CHECKED_SIZE:
-        _TRACED.popitem(last=False)
-
-
-def _define_verify() -> None:
-    """``torch.ops.freplicate.verify_layout``: the probe's words read, on every rank."""
-    if not _VERIFY:
-        from torch.library import custom_op
-
-        @custom_op("freplicate::verify_layout", mutates_args=())
-        def verify_layout(landed: torch.Tensor, fingerprint: int, group_name: str) -> torch.Tensor:
-            got = landed.tolist()
-            if got[0] != fingerprint or got[1] != -fingerprint:
-                from ._agree import exchange
-
-                caller, layout = _TRACED[(group_name, fingerprint)]
-                exchange(layout, resolve_group(group_name), caller)
-            return landed.new_zeros(1)
-
-        @verify_layout.register_fake
-        def _(landed: torch.Tensor, fingerprint: int, group_name: str) -> torch.Tensor:
-            return landed.new_empty(1)
-
-        _VERIFY.append(verify_layout)

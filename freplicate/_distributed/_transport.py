@@ -180,10 +180,6 @@ class Traced:
         self.world = world
         self.ops = functional_collectives()
 
-    def send(self, b: int, bucket: Bucket) -> torch.Tensor:
-        """A fresh buffer to pack into (a reduction joins its parts instead: ``Kind.joined``)."""
-        return torch.empty(self.kind.sizes(bucket).send, dtype=bucket.comm, device=bucket.device)
-
     def result(self, b: int, bucket: Bucket) -> torch.Tensor | None:
         size = self.kind.sizes(bucket).res
         return None if size is None else torch.empty(size, dtype=bucket.dtype, device=bucket.device)
@@ -216,7 +212,7 @@ class Traced:
     def probe(self, fingerprint: int, device: torch.device) -> torch.Tensor:
         """The layout's probe, in the graph: a zero the first bucket's words depend on, or the
         eager protocol's error on every rank where the ranks run different layouts (the op is
-        ``_store``'s, defined while the call's layout was planned)."""
+        ``_ops``', defined while the call's layout was planned)."""
         words = torch.tensor([fingerprint, -fingerprint, 0, 0], dtype=torch.int64, device=device)
         landed = self.ops.wait_tensor(self.ops.all_reduce(words, "max", self.name))
         return torch.ops.freplicate.verify_layout(landed, fingerprint, self.name)  # type: ignore[no-any-return]

@@ -45,7 +45,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .._pack import pack as concatenated
 from .._torch import chunk_cat, is_compiling
 from ._group import collective
 
@@ -259,6 +258,21 @@ def _physical_flat(t: torch.Tensor, run: Run, lead: int) -> torch.Tensor:
     return t.reshape(*t.shape[:lead], run.size)
 
 
+def _slotted(flat: torch.Tensor, run: Run) -> torch.Tensor:
+    """``(..., size)`` padded with zeros to ``(..., slot)``: the run's places, aligned."""
+    return flat if run.slot == run.size else F.pad(flat, (0, run.slot - run.size))
+
+
+def _value(part: Part, run: Run, send: Any) -> torch.Tensor:
+    """What a rank sends of a run, as ``(n, *shape)``: its tensors times the scale, or (sending
+    nothing of its own, as ``broadcast`` off its source) the neutral element, in their graph."""
+    stacked = _stacked(part, run)
+    if not send.sending:
+        off = torch.zeros((), dtype=torch.bool, device=stacked.device)
+        return torch.where(off, stacked, _neutral(stacked.dtype))
+    return stacked if send.scale is None else stacked * send.scale
+
+
 def _neutral(dtype: torch.dtype) -> float:
     """The sum's neutral element that leaves every value as it is, bit for bit (-0.0 + x is x)."""
     return -0.0 if dtype.is_floating_point or dtype.is_complex else 0
@@ -352,32 +366,32 @@ class Kind:
                         cells.mul_(scale)
 
     def joined(
-        self, bucket: Bucket, parts: Sequence[Part] | None, scale: Any, words: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        """A traced reduction's buffer as one new tensor (``None``: this kind packs instead).
+        self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
+    ) -> torch.Tensor:
+        """The traced send buffer as one new tensor: ``pack``, ``fill`` and ``put_words``' values.
 
-        Inductor lays a ``cat`` out as one contiguous copy a tensor, where
-        writes into views of one buffer become one loop over it that tests
-        every region for every element (docs/compile.md measures the step).
-        The values are ``pack``'s, ``fill``'s and ``put_words``' bit for bit.
+        Plain differentiable ops (``cat``, ``pad``, views): while tracing, the
+        functional collectives' own autograd formulas are the kinds' transposes
+        (all-reduce <-> all-reduce, all-gather <-> reduce-scatter, sums), so
+        a graph-carrying input keeps its graph through the compiled call. A
+        ``cat`` also lays out as one contiguous copy a tensor under Inductor,
+        where writes into views of one buffer become one loop over it that
+        tests every region for every element (docs/compile.md). ``send`` is
+        the call's ``Send``: a rank that sends nothing of its own (``parts``
+        given, ``send.sending`` false) sends its neutral elements, still
+        joined to its tensors' graph.
         """
         comm = bucket.comm
-        pieces: list[torch.Tensor] = []
-        with torch.no_grad():
-            if parts is None:
-                pieces.append(
-                    torch.full((bucket.data,), _neutral(comm), dtype=comm, device=bucket.device)
-                )
-            else:
-                for run, part in zip(bucket.runs, parts):
-                    stacked = _stacked(part, run)
-                    flat = _physical_flat(stacked if scale is None else stacked * scale, run, 1)
-                    if run.slot != run.size:
-                        flat = F.pad(flat, (0, run.slot - run.size))
-                    pieces.append(flat.reshape(-1).to(comm))
-            if words is not None:
-                pieces.append(words.to(comm))
-            return concatenated(pieces)
+        if parts is None:  # nothing of this rank's, and no graph to keep
+            pieces = [torch.full((bucket.data,), _neutral(comm), dtype=comm, device=bucket.device)]
+        else:
+            pieces = [
+                _slotted(_physical_flat(_value(part, run, send), run, 1), run).reshape(-1).to(comm)
+                for run, part in zip(bucket.runs, parts)
+            ]
+        if words is not None:
+            pieces.append(words.to(comm))
+        return torch.cat(pieces)
 
     def fill(self, bucket: Bucket, send: torch.Tensor) -> None:
         """Nothing of this rank's: the sum's neutral element in every value."""
@@ -502,11 +516,6 @@ class _Rowed(Kind):
     def keeps(self, order: tuple[int, ...] | None) -> tuple[int, ...] | None:
         return order if order is not None and order[0] == 0 else None
 
-    def joined(
-        self, bucket: Bucket, parts: Sequence[Part] | None, scale: Any, words: torch.Tensor | None
-    ) -> torch.Tensor | None:
-        return None
-
     def batch(
         self, spec: Spec, tensors: Sequence[torch.Tensor], dims: Sequence[int | None], apply: Apply
     ) -> tuple[list[torch.Tensor], list[int | None]]:
@@ -558,6 +567,24 @@ class ReduceScatter(_Rowed):
                     _cells(region, run, 1).copy_(_rank_major(_stacked(part, run), run, w))
             if scale is not None:
                 grid[:, : bucket.data].mul_(scale)
+
+    def joined(
+        self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
+    ) -> torch.Tensor:
+        """Every rank's rows of every tensor, rank-major, then the words in each chunk."""
+        w, comm = bucket.chunks, bucket.comm
+        if parts is None:
+            cols = [torch.full((w, bucket.data), _neutral(comm), dtype=comm, device=bucket.device)]
+        else:
+            cols = [
+                _slotted(_physical_flat(_rank_major(_value(part, run, send), run, w), run, 2), run)
+                .reshape(w, -1)
+                .to(comm)
+                for run, part in zip(bucket.runs, parts)
+            ]
+        if words is not None:
+            cols.append(words.to(comm).unsqueeze(0).expand(w, -1))
+        return torch.cat(cols, dim=1).reshape(-1)
 
     def fill(self, bucket: Bucket, send: torch.Tensor) -> None:
         send.view(bucket.chunks, bucket.chunk)[:, : bucket.data].fill_(_neutral(send.dtype))
@@ -644,6 +671,28 @@ class AllGather(_Rowed):
                 cells[:, :valid].copy_(_stacked(part, run))
                 if valid < run.rows:
                     cells[:, valid:].zero_()
+
+    def joined(
+        self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
+    ) -> torch.Tensor:
+        """This rank's rows of every tensor, zero-padded, then the words: its one chunk."""
+        comm = bucket.comm
+        if parts is None:
+            pieces = [torch.zeros(bucket.data, dtype=comm, device=bucket.device)]
+        else:
+            pieces = []
+            for run, part in zip(bucket.runs, parts):
+                stacked = _stacked(part, run)
+                if send.scale is not None:  # a mean's transpose: the functional one sums
+                    stacked = torch.ops.freplicate.grad_scaled(stacked, send.scale)
+                short = run.rows - stacked.shape[1]
+                if short:
+                    stacked = F.pad(stacked, [0, 0] * (len(run.shape) - 1) + [0, short])
+                flat = _slotted(_physical_flat(stacked, run, 1), run)
+                pieces.append(flat.reshape(-1).to(comm))
+        if words is not None:
+            pieces.append(words.to(comm))
+        return torch.cat(pieces)
 
     def words_of(self, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
         return landed.view(bucket.chunks, bucket.chunk)[:, -bucket.extra :].sum(0)
