@@ -48,7 +48,9 @@ def replicate(tree: T, devices: Sequence[DeviceSpec], *, detach: bool = False) -
     The other leaves are moved in one flat buffer per (source device,
     dtype). A tensor at several leaf positions (tied weights) is moved once
     and stays one object within each replica. Non-tensor leaves pass by
-    reference.
+    reference. A moved tensor has the strides ``leaf.to(device)`` gives it
+    (``channels_last`` stays ``channels_last``), and starts 64-byte aligned
+    in its buffer, as a tensor of its own would.
 
     Args:
         tree: a tree of tensors (``fr.state(module)``, a dict of parameters);

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -30,16 +32,25 @@ def test_pack_unpack_round_trip(dtype: torch.dtype) -> None:
     ts = [sample(dtype, s, i) for i, s in enumerate(SHAPES)]
     before = [t.clone() for t in ts]
     layout = _pack.layout_of(ts)
-    assert layout == (tuple(torch.Size(s) for s in SHAPES), (1, 0, 12, 0, 1, 12), dtype, CPU)
+    numels = (1, 0, 12, 0, 1, 12)
+    step = 64 // dtype.itemsize  # every tensor starts 64-byte aligned: pads to the next
+    pads = (*(-n % step for n in numels[:-1]), 0)
+    shapes = tuple(torch.Size(s) for s in SHAPES)
+    assert layout == (shapes, numels, dtype, CPU, (None,) * 6, pads)
     flat = _pack.pack(ts)
-    assert flat.shape == (26,) and flat.dtype == dtype
+    assert flat.shape == (layout.size,) == (sum(numels) + sum(pads),) and flat.dtype == dtype
     back = _pack.unpack(flat, layout)
-    for b, t, orig in zip(back, ts, before):
-        assert b.shape == t.shape and b.dtype == dtype
+    offsets = [sum(numels[:i]) + sum(pads[:i]) for i in range(len(ts))]
+    for b, t, orig, offset in zip(back, ts, before, offsets):
+        assert b.shape == t.shape and b.dtype == dtype and b.stride() == t.stride()
         assert torch.equal(b, t)
         assert torch.equal(t, orig) and t._version == 0  # inputs untouched
+        assert b.storage_offset() == offset and (offset * dtype.itemsize) % 64 == 0
+        if b.numel():
+            assert b.data_ptr() % 64 == 0  # a fresh buffer starts aligned, so does each view
     # the views share the flat buffer: one storage, no per-leaf copies
     assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in back)
+    assert not flat[offsets[0] + 1 : offsets[2]].any()  # the padding is zeros
 
 
 def test_pack_of_one_tensor_is_a_view_not_a_copy() -> None:
@@ -53,9 +64,10 @@ def test_pack_of_one_tensor_is_a_view_not_a_copy() -> None:
 def test_pack_non_contiguous() -> None:
     t = torch.arange(6.0).view(2, 3).t()
     flat = _pack.pack([t, torch.ones(1)])
-    assert flat.tolist() == [0, 3, 1, 4, 2, 5, 1]
+    # in its memory order, then padding to 64 bytes
+    assert flat.tolist() == [0, 1, 2, 3, 4, 5] + [0] * 10 + [1]
     (back, _) = _pack.unpack(flat, _pack.layout_of([t, torch.ones(1)]))
-    assert torch.equal(back, t)
+    assert torch.equal(back, t) and back.stride() == t.stride()
 
 
 def test_group_by_first_seen_order() -> None:
@@ -113,7 +125,8 @@ def test_broadcast_coalesced_shares_same_device_and_copies_others(
     ts = [torch.ones(2, 3), torch.arange(4), torch.zeros(()), torch.ones(0)]
     out = _pack.broadcast_coalesced(ts, [CPU, META, META, CPU], paths=[], caller="f")
     # one flat buffer per (source device, dtype), moved once per distinct target device
-    assert sorted(moves, key=str) == [(torch.float32, 7), (torch.int64, 4)]
+    # (the float32 one: 6 + 1 + 0 elements, each but the last padded to 16: 64 bytes)
+    assert sorted(moves, key=str) == [(torch.float32, 32), (torch.int64, 4)]
     assert all(a is b for a, b in zip(out[0], ts)) and all(a is b for a, b in zip(out[3], ts))
     assert out[1] is out[2]  # a repeated target device reuses the same views
     for moved, t in zip(out[1], ts):
@@ -228,3 +241,160 @@ def test_pool_keeps_one_spare_beyond_live_results() -> None:
     del held, held_b, a, b  # both spare now
     pool.take()
     assert len(pool.entries) == 1  # the second spare was let go
+
+
+# --- memory order and alignment ----------------------------------------------------------
+
+
+def formats(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    """Dense tensors of several memory orders, non-dense ones, and odd sizes (padding needed)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return sample(dtype, shape, int(torch.randint(0, 2**16, (), generator=g)))
+
+    return [
+        draw(3),
+        draw(5, 3, 2, 3).to(memory_format=torch.channels_last),
+        draw(7, 5).t(),
+        draw(3, 2, 2, 3, 2).to(memory_format=torch.channels_last_3d),
+        draw(4, 1, 3, 3).to(memory_format=torch.channels_last),  # depthwise: a dim of size 1
+        draw(2, 3, 4).permute(2, 0, 1),
+        draw(5, 4, 3, 3).to(memory_format=torch.channels_last)[:, 1:3],  # not dense
+        draw(6, 5).t()[::2],  # not dense
+        draw(3, 1).expand(3, 4),  # stride 0
+        draw(),
+        draw(0, 3),
+    ]
+
+
+def test_memory_order_is_torchs() -> None:
+    """The dims in the order ``.to()`` and ``clone()`` keep (``empty_like``'s rule): the views
+    come back with the strides of ``t.to(device)``, dense or not."""
+    for t in formats():
+        moved = _pack.broadcast_coalesced([torch.ones(1), t], [META], paths="ab", caller="f")[0][1]
+        assert moved.stride() == t.to(META).stride() == t.clone().stride(), tuple(t.shape)
+    assert _pack.memory_order(torch.ones(2, 3)) is None
+    assert _pack.memory_order(torch.ones(2, 1, 3)) is None  # a natural size-1 stride
+    assert _pack.memory_order(torch.ones(1, 2, 3, 3).to(memory_format=torch.channels_last)) == (
+        0,
+        2,
+        3,
+        1,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_views_keep_strides_and_start_64_byte_aligned(dtype: torch.dtype) -> None:
+    ts = formats(dtype, seed=1)
+    before = [(t.clone(), t._version) for t in ts]
+    layout = _pack.layout_of(ts)
+    flat = _pack.pack(ts, layout).clone()  # a buffer of its own, as a move or a sum makes
+    assert flat.data_ptr() % 64 == 0 and flat.shape == (layout.size,)
+    for t, v in zip(ts, _pack.unpack(flat, layout)):
+        assert torch.equal(v, t) and v.dtype == dtype
+        assert v.stride() == t.clone().stride()  # the input's, where it is dense
+        assert (v.storage_offset() * dtype.itemsize) % 64 == 0
+        if v.numel():
+            assert v.data_ptr() % 64 == 0
+    for t, (orig, version) in zip(ts, before):
+        assert torch.equal(t, orig) and t._version == version
+
+
+def test_one_tensor_in_its_memory_order_packs_as_a_view() -> None:
+    t = torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    flat = _pack.pack([t])
+    assert flat.data_ptr() == t.data_ptr() and flat.shape == (120,)
+    (back,) = _pack.unpack(flat, _pack.layout_of([t]))
+    assert back.stride() == t.stride() and torch.equal(back, t)
+
+
+def test_a_layout_given_lays_other_tensors_out_in_its_orders() -> None:
+    """A reduction packs every list in the first one's orders: equal places, equal elements."""
+    first = [torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last), torch.randn(4, 3).t()]
+    other = [t.contiguous() + 1 for t in first]
+    layout = _pack.layout_of(first)
+    a, b = _pack.pack(first, layout), _pack.pack(other, layout)
+    sums = _pack.unpack(a + b, layout)
+    for s, x, y in zip(sums, first, other):
+        assert torch.equal(s, x + y) and s.stride() == x.stride()
+
+
+def sum_lists(requires_grad: bool, device: torch.device = CPU) -> tuple[Any, list[Any]]:
+    g = torch.Generator().manual_seed(3)
+    base = [
+        torch.randn(2, 3, 4, 5, generator=g),
+        torch.randn(7, 5, generator=g),
+        torch.randn(3, generator=g),
+    ]
+    # list 0 channels_last / transposed; list 1 contiguous; list 2 channels_last again
+    lists = [
+        [base[0].to(memory_format=torch.channels_last), base[1].t().contiguous().t(), base[2]],
+        [(b * 2).contiguous() for b in base],
+        [(base[0] * 3).to(memory_format=torch.channels_last), base[1] * 3, base[2] * 3],
+    ]
+    if requires_grad:
+        lists = [[t.detach().requires_grad_() for t in lst] for lst in lists]
+    out = _pack.reduce_add_coalesced(lists, device, paths=["a", "b", "c"], caller="f")
+    return out, lists
+
+
+@pytest.mark.parametrize("requires_grad", [False, True], ids=["foreach", "packed"])
+def test_reduce_add_keeps_the_first_lists_strides(requires_grad: bool) -> None:
+    out, lists = sum_lists(requires_grad)
+    for k, s in enumerate(out):
+        want = lists[0][k] + lists[1][k] + lists[2][k]
+        torch.testing.assert_close(s, want, rtol=0, atol=0)
+        assert s.stride() == lists[0][k].stride()
+        assert s.data_ptr() % 64 == 0
+    meta, lists = sum_lists(requires_grad, META)
+    assert [m.stride() for m in meta] == [t.stride() for t in lists[0]]
+
+
+def test_a_list_on_another_device_is_padded_there() -> None:
+    """Every list is laid out as the first one, padding included, on its own device."""
+    here = [torch.ones(3), torch.ones(2, 3).t()]
+    there = [t.to(META) for t in here]
+    for lists in ([here, there], [there, here]):
+        out = _pack.reduce_add_coalesced(lists, META, paths=["a", "b"], caller="f")
+        assert [t.stride() for t in out] == [(1,), (1, 3)]
+        assert all(t.device == META for t in out)
+
+
+def test_broadcast_and_move_keep_strides() -> None:
+    ts = formats()
+    for moved in _pack.broadcast_coalesced(ts, [META, META], paths="abcdefghijk", caller="f"):
+        assert [m.stride() for m in moved] == [t.to(META).stride() for t in ts]
+    moved = _pack.move_each(ts, [META] * len(ts), paths="abcdefghijk", caller="f")
+    assert [m.stride() for m in moved] == [t.to(META).stride() for t in ts]
+
+
+def test_engine_with_orders_and_padding_composes_with_every_transform() -> None:
+    """Autograd (twice), torch.func grad / vjp / jvp / vmap through pack, move and unpack of
+    tensors in several memory orders, padded to 64 bytes."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(2, 3, 2, 3, generator=g).to(memory_format=torch.channels_last)
+    b = torch.randn(5, 3, generator=g).t()
+    c = torch.randn(3, generator=g)
+    ca, cb, cc = (torch.randn(t.shape, generator=g) for t in (a, b, c))
+
+    def loss(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        u, v, w = round_trip([x, y, z])
+        assert u.stride() == x.stride() and v.stride() == y.stride()
+        return (u * ca).sum() + (v * cb).sum() + (w**3 * cc).sum()
+
+    grads = torch.func.grad(loss, argnums=(0, 1, 2))(a, b, c)
+    want = (ca, cb, 3 * c**2 * cc)
+    assert all(torch.allclose(x, y) for x, y in zip(grads, want))
+    leaves = [t.detach().requires_grad_() for t in (a, b, c)]
+    first = torch.autograd.grad(loss(*leaves), leaves, create_graph=True)
+    assert all(torch.allclose(x, y) for x, y in zip(first, want))
+    (second,) = torch.autograd.grad(first[2].sum(), leaves[2])  # double backward
+    assert torch.allclose(second, 6 * c * cc)
+    _, vjp = torch.func.vjp(lambda *xs: tuple(round_trip(list(xs))), a, b, c)
+    assert all(torch.equal(x, y) for x, y in zip(vjp((ca, cb, cc)), (ca, cb, cc)))
+    out, tangents = torch.func.jvp(lambda *xs: tuple(round_trip(list(xs))), (a, b, c), (ca, cb, cc))
+    assert all(torch.equal(x, y) for x, y in zip(out + tangents, (a, b, c, ca, cb, cc)))
+    d = torch.randn(2, 5, 3, generator=g).transpose(1, 2)
+    batched = torch.func.vmap(lambda x, y: tuple(round_trip([x, y])))(a, d)
+    assert torch.equal(batched[0], a) and torch.equal(batched[1], d)

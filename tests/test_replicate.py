@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import namedtuple
 from typing import Any
 
@@ -106,8 +107,60 @@ def test_transfers_are_coalesced(monkeypatch: pytest.MonkeyPatch) -> None:
     tree = {f"l{i}": torch.ones(i + 1) for i in range(20)} | {"i": torch.arange(3), "t": None}
     tree["alias"] = tree["l0"]
     fr.replicate(tree, ["meta", "cpu", "meta", "cpu"])
-    # one buffer per dtype, moved once to meta (the repeat reuses it), tied leaf once
-    assert sorted(moved, key=str) == [(torch.float32, sum(range(1, 21))), (torch.int64, 3)]
+    # one buffer per dtype, moved once to meta (the repeat reuses it), tied leaf once; every
+    # float32 tensor but the last (optree takes dict keys sorted: l9) takes a multiple of 16
+    # elements (64 bytes) of it
+    sizes = [int(k[1:]) + 1 for k in sorted(f"l{i}" for i in range(20))]
+    floats = sum(-(-n // 16) * 16 for n in sizes[:-1]) + sizes[-1]
+    assert sorted(moved, key=str) == [(torch.float32, floats), (torch.int64, 3)]
+
+
+def formats_tree() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(7)
+    conv = torch.randn(5, 3, 2, 3, generator=g).to(memory_format=torch.channels_last)
+    return {
+        "conv": conv,
+        "tied": conv,
+        "depthwise": torch.randn(4, 1, 3, 3, generator=g).to(memory_format=torch.channels_last),
+        "linear_t": torch.randn(7, 5, generator=g).t(),
+        "volume": torch.randn(2, 3, 2, 2, 2, generator=g).to(memory_format=torch.channels_last_3d),
+        "slice": torch.randn(6, 5, generator=g).t()[::2],  # not dense: laid out as .to() lays it
+        "bias": torch.randn(3, generator=g),
+        "n": 4,
+    }
+
+
+def test_replicas_keep_every_leafs_memory_format() -> None:
+    """A replica's leaf has the strides ``leaf.to(device)`` gives it (the leaf's own, where it is
+    dense); moved ones are views of one flat buffer, each 64-byte aligned in it."""
+    tree = formats_tree()
+    snap = guard(tree)
+    devices = ["cpu", "meta", "cpu", "meta"]
+    replicas = fr.replicate(tree, devices)
+    assert_unchanged(snap)
+    for device, replica in zip(devices, replicas):
+        for k, t in tree.items():
+            if isinstance(t, torch.Tensor):
+                assert replica[k].stride() == t.to(device).stride(), (device, k)
+        assert replica["conv"] is replica["tied"] and replica["n"] == 4
+    moved = [t for t in tensor_leaves(replicas[1]) if t.device == META]
+    offsets = {t.storage_offset() * t.element_size() % 64 for t in moved}
+    assert offsets == {0}
+
+
+def test_replicas_have_the_strides_of_per_replica_deep_copies() -> None:
+    """The stateful oracle on CPU: ``copy.deepcopy(module).to(device)`` for each replica."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3, groups=4), nn.Flatten()
+    ).to(memory_format=torch.channels_last)
+    for device in ("cpu", "meta"):
+        (replica,) = fr.replicate(fr.state(model), [device])
+        twin = copy.deepcopy(model).to(device)
+        for name, p in twin.named_parameters():
+            assert replica.params[name].stride() == p.stride(), (device, name)
+        for name, b in twin.named_buffers():
+            assert replica.buffers[name].stride() == b.stride(), (device, name)
 
 
 def test_values_on_meta_and_back_through_apply() -> None:

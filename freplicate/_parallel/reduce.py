@@ -31,7 +31,8 @@ def all_reduce(trees: Sequence[T], *, op: Op = "mean") -> list[T]:
     and, at every tensor leaf, the sum (``op="sum"``) or the mean
     (``op="mean"``) over all trees, on the device of ``trees[i]``'s leaf. The
     reduction is coalesced as ``replicate``: one flat buffer per (device,
-    dtype) per tree. Sparse COO leaves (the gradients of
+    dtype) per tree. A result has the memory format of tree 0's leaf
+    (``channels_last`` stays ``channels_last``). Sparse COO leaves (the gradients of
     ``nn.Embedding(sparse=True)``) are reduced one by one and stay sparse
     (coalesced). Result trees whose leaves lie on the same device share
     those result tensors; none is an input tensor, and nothing is modified.

@@ -36,7 +36,9 @@ def scatter(tree: T, devices: Sequence[DeviceSpec], *, dim: int = 0) -> list[T]:
     same type: dicts and dict subclasses (a ``transformers`` ``ModelOutput``,
     built as ``type(d)(pairs)``), lists, tuples, their subclasses and
     NamedTuples. A dataclass is not looked into: it is shared whole by every
-    shard, as ``nn.parallel.scatter`` shares it. Differentiable: the gradient
+    shard, as ``nn.parallel.scatter`` shares it. A moved chunk has the
+    strides ``chunk.to(device)`` gives it (a ``channels_last`` batch cut along
+    dim 0 gives ``channels_last`` shards). Differentiable: the gradient
     of the shards flows back into ``tree``. Nothing is modified.
 
     Args:
@@ -137,8 +139,9 @@ def gather(trees: Sequence[Tree], device: DeviceSpec, *, dim: int = 0) -> Tree:
     joins them, and keep their type: dict subclasses (a ``transformers``
     ``ModelOutput``, built as ``type(out)(pairs)``), list and tuple
     subclasses, NamedTuples; dataclasses too, field by field (built as
-    ``type(out)(**init_fields)``), where ``nn.parallel.gather`` raises.
-    Differentiable; nothing is modified.
+    ``type(out)(**init_fields)``), where ``nn.parallel.gather`` raises. The
+    result has the layout ``torch.cat`` gives the parts (``channels_last``
+    parts: ``channels_last``). Differentiable; nothing is modified.
 
     Args:
         trees: one tree per replica, all of one structure (a list, not one tree).
