@@ -46,11 +46,22 @@ _BASE = operator.attrgetter("shape", "dtype", "device", "layout")
 _IS_CONTIGUOUS = torch.Tensor.is_contiguous
 
 
-def _sigs(tensors: Sequence[torch.Tensor]) -> tuple[Sig, ...]:
-    """The tensors' signatures, at C speed where every one is contiguous (the common case)."""
+def _orders(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...] | None:
+    """The tensors' memory orders; ``None`` where every one is contiguous (at C speed)."""
     if all(map(_IS_CONTIGUOUS, tensors)):
-        return tuple((*_BASE(t), None) for t in tensors)
-    return tuple((*_BASE(t), order_of(t)) for t in tensors)
+        return None
+    return tuple(map(order_of, tensors))
+
+
+def _sigs(tensors: Sequence[torch.Tensor]) -> tuple[Sig, ...]:
+    """The tensors' signatures (shape, dtype, device, layout, memory order)."""
+    return _signed(tuple(map(_BASE, tensors)), _orders(tensors))
+
+
+def _signed(base: Sequence[Any], orders: Sequence[Any] | None) -> tuple[Sig, ...]:
+    if orders is None:
+        return tuple((*b, None) for b in base)
+    return tuple((*b, o) for b, o in zip(base, orders))
 
 
 _DICT = object()  # marks a key made from a plain dict's keys
@@ -86,6 +97,7 @@ class Plan:
         *,
         eager: bool,
         tensors: Sequence[Any] = (),
+        pooled: bool = True,
     ) -> None:
         self.layout = layout
         # the sparse tensors' sparse dims: what an empty one sent in their place needs
@@ -97,7 +109,7 @@ class Plan:
         for j, k in enumerate(layout.arrival):
             inverse[k] = j
         self.reorder = picker(inverse)  # results in arrival order -> tensor order
-        self.pools = [Pools(b, layout.kind) for b in layout.buckets] if eager else []
+        self.pools = [Pools(b, layout.kind, kept=pooled) for b in layout.buckets] if eager else []
         self.lock = threading.RLock() if eager else None
         self.stacks: dict[bool, Any] = {}
         self.never_stack = False  # the layout met a sparse gradient in a stack (``_backward``)
@@ -154,12 +166,14 @@ def plan_of(
     chunks = options.collective.chunks(world)
     values = tensor_values(tree)
     if values is not None and len(set(map(id, values))) == len(values):
-        sigs = _sigs(values)
-        key: tuple[Any, ...] = (_DICT, tuple(tree), sigs, options, chunks, caller)
+        # the key at C speed: the signatures without memory orders, and the orders only where
+        # some tensor is not contiguous
+        base, orders = tuple(map(_BASE, values)), _orders(values)
+        key: tuple[Any, ...] = (_DICT, tuple(tree), base, orders, options, chunks, caller)
         plan = _PLANS.get(key)
         if plan is None:
             keys = tuple(tree)
-            described = Tree([f"[{k!r}]" for k in keys], sigs)
+            described = Tree([f"[{k!r}]" for k in keys], _signed(base, orders))
             layout = build(described, options, chunks, caller, comm_device(group))
             plan = _remember(key, Plan(layout, None, keys, eager=True, tensors=values))
         return plan, values
@@ -167,9 +181,9 @@ def plan_of(
     unique, slot = alias_groups(leaves)
     bare = len(unique) == len(leaves)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-    orders = iter([s[4] for s in _sigs(tensors)])
+    each = iter([s[4] for s in _sigs(tensors)])
     signed: tuple[Sig | None, ...] = tuple(
-        (*_BASE(x), next(orders)) if isinstance(x, torch.Tensor) else None for x in leaves
+        (*_BASE(x), next(each)) if isinstance(x, torch.Tensor) else None for x in leaves
     )
     key = (spec, signed, None if bare else tuple(slot), options, chunks, caller)
     plan = _PLANS.get(key)
@@ -197,11 +211,12 @@ def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
     if is_compiling():
         layout = _layout_traced(described, options, spec.group, world, caller, spec.check)
         return Plan(layout, None, None, eager=False)
-    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world), caller)
+    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world), caller, spec.pooled)
     plan = _PLANS.get(key)
     if plan is None:
         layout = build(described, options, world, caller, comm_device(spec.group))
-        plan = _remember(key, Plan(layout, None, None, eager=True, tensors=tensors))
+        made = Plan(layout, None, None, eager=True, tensors=tensors, pooled=spec.pooled)
+        plan = _remember(key, made)
     return plan
 
 

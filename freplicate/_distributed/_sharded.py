@@ -46,10 +46,10 @@ from .._state import State
 from .._torch import is_compiling, transform_level
 from .._tree import describe
 from ._call import Announced
-from ._group import world_size
+from ._group import comm_device, world_size
 from ._options import Options
-from ._rules import Pending, apply, as_rule, needs_rules
-from ._wire import ALL_GATHER, KINDS, Spec, order_of, replaced, valid_rows
+from ._rules import Pending, apply, as_rule, needs_rules, plain
+from ._wire import ALL_GATHER, ALL_REDUCE, KINDS, Spec, order_of, replaced, valid_rows
 
 __all__ = ["apply_sharded"]
 
@@ -87,7 +87,7 @@ def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALL
 def _names(module: nn.Module, units: Any, caller: str) -> tuple[str, ...]:
     names = [n for n, _ in module.named_modules()]
     if units is None:
-        return tuple(n for n, c in module.named_children() if any(True for _ in c.parameters()))
+        return tuple(_default_units(module, ""))
     if isinstance(units, str) or not all(isinstance(u, str) for u in units):
         raise TypeError(
             f"{caller}: units must be a list of submodules' qualified names (as named_modules() "
@@ -99,7 +99,31 @@ def _names(module: nn.Module, units: Any, caller: str) -> tuple[str, ...]:
             f"{caller}: units {unknown} are not submodules of the module (named_modules() names "
             f"them {names[:8]}{' ...' if len(names) > 8 else ''})"
         )
+    modules = dict(module.named_modules())
+    containers = [u for u in units if _container(modules[u])]
+    if containers:
+        raise ValueError(
+            f"{caller}: units {containers} are containers without a forward of their own "
+            "(ModuleList, ModuleDict), which never run: name their members instead"
+        )
     return tuple(n for n in names if n in set(units))
+
+
+def _container(m: nn.Module) -> bool:
+    """A module whose forward is ``nn.Module``'s own: it never runs (ModuleList, ModuleDict)."""
+    return type(m).forward is nn.Module.forward
+
+
+def _default_units(module: nn.Module, prefix: str) -> Iterator[str]:
+    """Each direct child holding parameters; a container's members in its place."""
+    for name, child in module.named_children():
+        if not any(True for _ in child.parameters()):
+            continue
+        qualified = f"{prefix}{name}"
+        if _container(child):
+            yield from _default_units(child, qualified + ".")
+        else:
+            yield qualified
 
 
 def _cut(module: nn.Module, names: tuple[str, ...]) -> Units:
@@ -196,7 +220,8 @@ def apply_sharded(
     _apply.check_bindable(_CALLER, state)
     rank = dist.get_rank(group)
     _check_shards(plan, state.params, rank, world)
-    spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, ())
+    _check_held(module, state.params)
+    spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, (), pooled=False)
     session = _Session(plan, state.params, spec)
     if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
         return session.all_at_once(module, state, args, kwargs)
@@ -204,6 +229,7 @@ def apply_sharded(
 
 
 _OPTIONS = Options(ALL_GATHER.name, "mean", 25.0, None)
+_CLOSING = Options(ALL_REDUCE.name, "sum", 25.0, None)
 
 
 def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) -> None:
@@ -223,6 +249,16 @@ def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) ->
                 f"of shape {shape} over {world} ranks (fr.distributed.shard): shape {want}, got "
                 f"{tuple(t.shape)}"
             )
+
+
+def _check_held(module: nn.Module, params: dict[str, Any]) -> None:
+    """A parameter the state leaves out falls back to the module's own: not a meta one."""
+    missing = [n for n, p in module.named_parameters() if n not in params and p.is_meta]
+    if missing:
+        raise ValueError(
+            f"{_CALLER}: state.params leaves out {missing}, whose module tensors are on the meta "
+            "device (no values): give their shards in the state"
+        )
 
 
 class _Token(NamedTuple):
@@ -318,6 +354,11 @@ class _Session:
         if unit not in self.order:
             self.order.append(unit)
 
+    def release(self, unit: str) -> None:
+        """``unit``'s forward is over: its storages are no longer its own (once freed, an
+        activation may take the same address: it must not be taken for the unit's)."""
+        self.live = {ptr: hit for ptr, hit in self.live.items() if hit[0] != unit}
+
     def settle(self) -> None:
         """Finish every gather still in flight (a prefetch no unit took): every rank alike."""
         for unit in list(self.pending):
@@ -349,6 +390,10 @@ class _Session:
             finally:
                 self.settle()
                 self.done = True
+            # the call's last collective, after its forward: a rank whose forward raised after
+            # its last gather announces it here, so that every rank raises in this call
+            zero = torch.zeros(1, device=comm_device(spec.group))
+            plain(replaced(spec, options=_CLOSING, paths=("<closing>",)), [zero])
         return out, State(state.params, new.buffers)
 
     def gather_outside(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -466,6 +511,7 @@ def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> N
         finally:
             for m, key, stand_in in saved:
                 m._parameters[key] = stand_in
+            session.release(unit)
 
     copy.__dict__["forward"] = run
 

@@ -95,14 +95,15 @@ class Pools:
 
     __slots__ = ("recv", "res", "send")
 
-    def __init__(self, bucket: Bucket, kind: Kind) -> None:
+    def __init__(self, bucket: Bucket, kind: Kind, *, kept: bool = True) -> None:
         sizes = kind.sizes(bucket)
         dev = bucket.device
-        self.send = Pool(sizes.send, bucket.comm, dev, keep=sizes.send_kept)
+        at_most = 1 if kept else 0  # ``kept=False``: every buffer fresh, let go with its results
+        self.send = Pool(sizes.send, bucket.comm, dev, keep=sizes.send_kept * at_most)
         self.recv = None
         if sizes.recv is not None:
-            self.recv = Pool(sizes.recv, bucket.comm, dev, keep=sizes.recv_kept)
-        self.res = None if sizes.res is None else Pool(sizes.res, bucket.dtype, dev)
+            self.recv = Pool(sizes.recv, bucket.comm, dev, keep=sizes.recv_kept * at_most)
+        self.res = None if sizes.res is None else Pool(sizes.res, bucket.dtype, dev, keep=3 * at_most)
 
     def clear(self) -> None:
         """Let go of every buffer (results still held keep theirs alive, as any tensor)."""

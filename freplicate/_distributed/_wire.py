@@ -148,7 +148,9 @@ class Spec(NamedTuple):
     ``paths``: each tensor's path in the caller's tree (errors name it);
     ``whole``: per tensor, whether it is held whole by every rank (``None``:
     the 0-dim ones); ``like``: an all-gather's full tensors' shapes and
-    memory orders (its inputs are shards).
+    memory orders (its inputs are shards); ``pooled``: its buffers kept in
+    pools for the next call (``False``: fresh ones, let go with the results:
+    ZeRO-3's units, where memory is the point).
     """
 
     options: Any  # _options.Options, whose ``kind`` names one of the objects below
@@ -159,6 +161,7 @@ class Spec(NamedTuple):
     paths: tuple[str, ...]
     whole: tuple[bool, ...] | None = None
     like: tuple[Signature, ...] | None = None
+    pooled: bool = True  # eagerly, buffers kept for the next call of the layout (a step's)
 
     def wholes(self, shapes: Sequence[Sequence[int]]) -> tuple[bool, ...]:
         """Per tensor of these shapes, whether it is held whole."""
