@@ -14,6 +14,18 @@ The same loop on ``DistributedDataParallel`` + ``torch.optim.AdamW`` +
 the default is torchopt's AdamW (the ``freplicate[optim]`` extra).
 ``--help`` lists every option.
 
+``--zero 1|2|3`` shards the functional run like ZeRO's stages (docs/sharding.md):
+``1`` all-reduces the gradients as DDP does and each rank updates its rows of
+the parameters (the optimizer state 1/W of DDP's), then all-gathers them;
+``2`` reduce-scatters the gradients (``grad_and_value(shard=True)``) and
+clips them by the full gradient's norm (``fr.distributed.clip_grad_norm``);
+``3`` keeps only this rank's rows of the parameters, all-gathering each
+transformer block just before it runs (``fr.distributed.apply_sharded``, a
+block per unit) on a model that lives on the ``meta`` device, and updates the
+rows with no all-gather after. A ZeRO checkpoint is a directory: every rank
+writes its own rows (``fr.distributed.save_sharded``), and ``--resume`` reads
+them back (``load_sharded``).
+
 What a step does on the functional side: ``fr.distributed.grad_and_value``
 differentiates the loss (autocast inside it: the backward runs inside the
 call), ``Step.accumulate`` takes the step's micro-batches from a generator in
@@ -37,6 +49,7 @@ import argparse
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -90,6 +103,12 @@ class Config:
     )
     amp: str = _option("none", "autocast dtype for the forward", choices=["none", "bf16"])
     ddp: bool = _option(False, "run the loop on DistributedDataParallel + torch.optim.AdamW")
+    zero: int = _option(
+        0,
+        "shard the functional run like ZeRO: 1 the optimizer state, 2 the gradients too, "
+        "3 the parameters too (0: replicated)",
+        choices=[0, 1, 2, 3],
+    )
     compile: bool = _option(
         False, "torch.compile the loss (freplicate) or the DDP module (--ddp); minutes, once"
     )
@@ -109,6 +128,13 @@ class Config:
             raise ValueError(f"--clip must be > 0, got {self.clip}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be a multiple of --n-head")
+        if self.zero and self.ddp:
+            raise ValueError("--zero shards the functional run: leave out --ddp")
+        if self.zero == 3 and self.compile:
+            raise ValueError(
+                "--zero 3 runs eagerly here: this example does not compile apply_sharded's loss "
+                "(docs/sharding.md says what compiling it does)"
+            )
 
 
 # options that say where a run goes, not what it computes: a resumed run takes these from
@@ -234,19 +260,40 @@ def torchopt_adamw(lr: Schedule, config: Config, decay: dict[str, bool]) -> tupl
 
 
 class Functional:
-    """The loop's step on freplicate: the parameters are a tree this object holds."""
+    """The loop's step on freplicate: the parameters (or, sharded, this rank's rows) in a tree.
+
+    ``zero`` (``--zero``): 0 keeps everything replicated; 1 and 2 keep the
+    full parameters for the forward and this rank's rows (``mine``) for the
+    optimizer; 3 keeps the rows alone, the module on the meta device.
+    """
 
     def __init__(self, config: Config, model: GPT, data: Data) -> None:
         self.config, self.model, self.data = config, model, data
+        self.zero = config.zero
         # every rank starts from rank 0's parameters, as DDP makes them at construction
-        self.params: Params = fr.distributed.broadcast(fr.state(model).params)
+        params: Params = fr.distributed.broadcast(fr.state(model).params)
+        # the full layout (shapes and dtypes only): what an all-gather or a checkpoint fills in
+        self.like = {k: torch.empty_like(p, device="meta") for k, p in params.items()}
+        make = exact_adamw if config.optimizer == "exact" else torchopt_adamw
+        self.init, self.update = make(schedule(config), config, decayed(params))
         # --compile: the loss compiled (its forward and backward); the buckets still start from
         # the backward pass, and the rest of the step stays eager, as with torch.compile(DDP)
         loss = torch.compile(self.loss) if config.compile else self.loss
-        self.grad = fr.distributed.grad_and_value(loss)
-        make = exact_adamw if config.optimizer == "exact" else torchopt_adamw
-        self.init, self.update = make(schedule(config), config, decayed(self.params))
-        self.opt_state = self.init(self.params)
+        if self.zero == 3:
+            self.params: Params | None = None  # never whole: each block gathered as it runs
+            self.mine = {k: p.clone() for k, p in fr.distributed.shard(params).items()}
+            self.units = [f"blocks.{i}" for i in range(config.n_layer)]
+            # the module gives the shapes, its own tensors are not read: a twin on the meta device
+            # (built there, so that the head stays tied to the embedding, as Module.to would not)
+            with torch.device("meta"):
+                self.model = GPT(model.config)
+            self.model.train(model.training)
+            self.grad: Any = fr.grad_and_value(self.sharded_loss)
+        else:
+            self.params = params
+            self.mine = fr.distributed.shard(params) if self.zero else params
+            self.grad = fr.distributed.grad_and_value(loss, shard=self.zero == 2)
+        self.opt_state = self.init(self.mine)
 
     def loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         # autocast inside the loss: the backward runs inside grad_and_value, outside this block,
@@ -256,24 +303,67 @@ class Functional:
             loss = cross_entropy(logits, y)
         return loss / self.config.accumulate
 
+    def sharded_loss(self, mine: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """ZeRO-3's loss: the same, each block's parameters gathered from the ranks' rows."""
+        with autocast(self.config):
+            state = fr.State(mine, {})
+            logits, _ = fr.distributed.apply_sharded(self.model, state, x, units=self.units)
+            loss = cross_entropy(logits, y)
+        return loss / self.config.accumulate
+
     def step(self) -> tuple[float, float]:
         k = self.config.accumulate
-        # fetched one by one as accumulate asks: the order a no_sync loop draws them in
+        # fetched one by one as they are used: the order a no_sync loop draws them in
         micro: Iterator[tuple[torch.Tensor, torch.Tensor]] = (self.data.batch() for _ in range(k))
-        grads, losses = self.grad.accumulate(self.params, micro, count=k)
-        grads, norm = fr.clip_grad_norm(grads, self.config.clip)  # clip_grad_norm_'s, bit for bit
-        self.params, self.opt_state = self.update(self.params, grads, self.opt_state)
+        if self.zero == 3:
+            grads, losses = self.accumulate_sharded(micro)
+        else:
+            grads, losses = self.grad.accumulate(self.params, micro, count=k)
+        if self.zero >= 2:  # this rank's rows: the norm of the full gradient, from every rank's
+            grads, norm = fr.distributed.clip_grad_norm(grads, self.config.clip)
+        else:  # the full gradient: clip_grad_norm_'s, bit for bit
+            grads, norm = fr.clip_grad_norm(grads, self.config.clip)
+            if self.zero == 1:
+                grads = fr.distributed.shard(grads)
+        self.mine, self.opt_state = self.update(self.mine, grads, self.opt_state)
+        if self.zero in (1, 2):
+            assert self.params is not None
+            self.params = fr.distributed.all_gather(self.mine, self.params)
+        elif self.zero == 0:
+            self.params = self.mine
         return float(sum(losses)), float(norm)
+
+    def accumulate_sharded(self, micro: Iterator[Any]) -> tuple[Params, list[torch.Tensor]]:
+        """ZeRO-3's gradient of the step: each micro-batch's rows of the mean gradient, summed.
+
+        Each backward pass reduce-scatters its own gradient (the gathers'
+        transpose), where DDP under ``no_sync`` sums the micro-batches' local
+        gradients first and all-reduces once: the same sum, in another order.
+        """
+        total: Params = {}
+        losses = []
+        for x, y in micro:
+            grads, loss = self.grad(self.mine, x, y)
+            total = {k: total[k] + g for k, g in grads.items()} if total else grads
+            losses.append(loss)
+        return total, losses
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # the trained parameters, never the module's own: `self.model(x)` would use the initial ones
+        if self.params is None:  # ZeRO-3: each block gathered as it runs
+            state = fr.State(self.mine, {})
+            return fr.distributed.apply_sharded(self.model, state, x, units=self.units)[0]
         return fr.apply(self.model, fr.State(self.params, {}), x)[0]
 
     def mean_over_ranks(self, tree: Any) -> Any:
         return fr.distributed.all_reduce(tree)
 
     def parameters(self) -> Params:
-        return self.params
+        """The full parameters (ZeRO-3: all-gathered, so every rank calls it)."""
+        if self.params is not None:
+            return self.params
+        like = {k: torch.empty_like(p, device="cpu") for k, p in self.like.items()}
+        return fr.distributed.all_gather(self.mine, like)
 
     def optimizer_state(self) -> Any:
         # the leaves only: torchopt's states are NamedTuples that torch.load(weights_only=True)
@@ -281,9 +371,34 @@ class Functional:
         return optree.tree_leaves(self.opt_state, namespace="torchopt")
 
     def load(self, checkpoint: dict[str, Any]) -> None:
-        self.params = dict(checkpoint["params"])
+        if self.zero:
+            self.load_sharded(checkpoint["path"])
+            return
+        self.params = self.mine = dict(checkpoint["params"])
         like = optree.tree_structure(self.init(self.params), namespace="torchopt")
         self.opt_state = optree.tree_unflatten(like, checkpoint["optimizer"])
+
+    # --- ZeRO's checkpoints: every rank writes and reads its own rows ---------------------------
+
+    def save_sharded(self, path: str) -> None:
+        fr.distributed.save_sharded(
+            path,
+            {"mine": self.mine, "optimizer": self.optimizer_state()},
+            like={"mine": self.like, "optimizer": self._leaves(self.init(self.like))},
+        )
+
+    def load_sharded(self, path: str) -> None:
+        layout = {"mine": self.mine, "optimizer": self.optimizer_state()}
+        got = fr.distributed.load_sharded(path, layout)
+        self.mine = got["mine"]
+        structure = optree.tree_structure(self.opt_state, namespace="torchopt")
+        self.opt_state = optree.tree_unflatten(structure, got["optimizer"])
+        if self.params is not None:
+            self.params = fr.distributed.all_gather(self.mine, self.params)
+
+    @staticmethod
+    def _leaves(state: Any) -> list[Any]:
+        return optree.tree_leaves(state, namespace="torchopt")
 
 
 class Stateful:
@@ -389,20 +504,47 @@ def sample(config: Config, side: Side, data: Data) -> str:
 
 
 def save(path: str, config: Config, side: Side, step: int) -> None:
-    """One file, written by rank 0: parameters, optimizer state, and every rank's random stream."""
+    """One file, written by rank 0: parameters, optimizer state, and every rank's random stream.
+
+    With ``--zero``, a directory: ``state/``, every rank's rows of the
+    parameters and of the optimizer state (``fr.distributed.save_sharded``),
+    and ``meta.pt``, rank 0's file of the rest.
+    """
     streams: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(streams, torch.get_rng_state())
+    meta = {"config": dataclasses.asdict(config), "step": step, "rng": streams}
+    if isinstance(side, Functional) and side.zero:
+        save_directory(path, side, meta)
+        return
     if dist.get_rank() == 0:
-        checkpoint = {
-            "config": dataclasses.asdict(config),
-            "step": step,
-            "params": side.parameters(),
-            "optimizer": side.optimizer_state(),
-            "rng": streams,
-        }
+        checkpoint = {**meta, "params": side.parameters(), "optimizer": side.optimizer_state()}
         torch.save(checkpoint, path + ".tmp")
         os.replace(path + ".tmp", path)  # a run stopped mid-write leaves the previous file
     dist.barrier()
+
+
+def save_directory(path: str, side: Functional, meta: dict[str, Any]) -> None:
+    """A ZeRO checkpoint, written beside the previous one and swapped in once complete."""
+    rank, tmp, old = dist.get_rank(), path + ".tmp", path + ".old"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    side.save_sharded(os.path.join(tmp, "state"))  # collective: every rank writes its rows
+    if rank == 0:
+        torch.save(meta, os.path.join(tmp, "meta.pt"))
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.replace(path, old)
+        os.replace(tmp, path)  # a run stopped mid-write leaves the previous directory
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def read(path: str) -> dict[str, Any]:
+    """A checkpoint's contents: the file, or a ZeRO directory's ``meta.pt`` and where its rows are."""
+    if os.path.isdir(path):
+        return {**torch.load(os.path.join(path, "meta.pt")), "path": os.path.join(path, "state")}
+    return torch.load(path)  # weights_only=True
 
 
 @dataclass
@@ -418,7 +560,7 @@ class Run:
 def start(config: Config, say: Callable[[str], None]) -> Run:
     """Build the model and the side, or load them from ``config.resume``; seed this rank's stream."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    checkpoint = torch.load(config.resume) if config.resume else None  # weights_only=True
+    checkpoint = read(config.resume) if config.resume else None
     if checkpoint is not None:
         where = {k: getattr(config, k) for k in _WHERE}
         config = Config(**{**checkpoint["config"], **where})
@@ -443,7 +585,8 @@ def start(config: Config, say: Callable[[str], None]) -> Run:
     if checkpoint is None:
         n = sum(p.numel() for p in side.parameters().values())
         say(
-            f"{'DDP' if config.ddp else 'freplicate'}, {world} ranks, {n:,} parameters, "
+            f"{'DDP' if config.ddp else 'freplicate'}"
+            f"{f' ZeRO-{config.zero}' if config.zero else ''}, {world} ranks, {n:,} parameters, "
             f"vocabulary of {len(data.vocab)}, optimizer "
             f"{'torch.optim.AdamW' if config.ddp else config.optimizer}"
         )
