@@ -13,11 +13,10 @@ reduce-scattered on its own and the two rows added, where the oracle adds
 the two gradients and reduce-scatters once: the same sum in another order,
 within a few units in the last place (found by this property).
 
-Every gathered storage is kept alive for the call
-(``tests/_zero3_workers.audited``): the open bug of ``apply_sharded`` that
+The call is audited (``tests/_zero3_workers.audited``): no saved tensor may
+be taken for a gathered parameter (the bug
 ``tests/test_zero3.py::test_no_activation_is_taken_for_a_released_units_buffer``
-shows would otherwise strike at random; the property then checks that no
-saved tensor was mistaken for a gathered one all the same.
+guards against).
 """
 
 from __future__ import annotations
@@ -47,7 +46,7 @@ def check_apply_sharded(rank: int, p: dict[str, Any]) -> None:
         for k, v in fr.distributed.shard(full.params).items()
     }
     unchanged = Unchanged(shards, full.buffers, p["inputs"][rank])
-    with audited(pin=True) as mistaken:
+    with audited() as mistaken:
         state = fr.State(shards, full.buffers)
         out, new = fr.distributed.apply_sharded(module, state, *args, units=units, op=op, **kwargs)
         loss = _loss(out)

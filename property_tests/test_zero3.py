@@ -41,17 +41,14 @@ def ranks() -> Iterator[RankPool]:
 
 
 def units_of(module: nn.Module) -> st.SearchStrategy[list[str] | None]:
-    """Some of the submodules that hold parameters and run a forward; or the default units,
-    where no direct child is a container (the default would name it: an open bug, xfail in
-    tests/test_zero3.py)."""
+    """Some of the submodules that hold parameters and run a forward; or the default units
+    (a container among the children stands for its members)."""
     names = [
         name
         for name, m in module.named_modules()
         if name and not isinstance(m, CONTAINERS) and any(True for _ in m.parameters())
     ]
     chosen = st.lists(st.sampled_from(names), unique=True) if names else st.just([])
-    if any(isinstance(c, CONTAINERS) for c in module.children()):
-        return chosen
     return st.one_of(st.none(), chosen)
 
 

@@ -2,14 +2,12 @@
 
 A scenario's name is a command line of ``examples/gpt_train.py``, read
 after ``TINY`` (a model of about 1,200 parameters, a handful of steps): the
-run ``train`` makes with it is what the scenario returns. A name that starts
-with ``pinned`` runs the rest inside ``_zero3_workers.audited(pin=True)``,
-which keeps every storage ZeRO-3 gathers alive for the run: the way around
-the bug ``tests/test_zero3.py::test_no_activation_is_taken_for_a_released_units_buffer``
-shows, which otherwise gives ``--zero 3`` wrong gradients at random. ``main``, the
-ranks' entry point, registers one scenario per name it is given, then runs
-them through ``_dist_workers``' loop (a file store, gloo on loopback,
-bounded timeouts, stragglers killed), so no test goes through ``torchrun``.
+run ``train`` makes with it is what the scenario returns: the example's loop
+as a user runs it (``--zero 3`` included: nothing is kept alive or watched
+for the test). ``main``, the ranks' entry point, registers one scenario per
+name it is given, then runs them through ``_dist_workers``' loop (a file
+store, gloo on loopback, bounded timeouts, stragglers killed), so no test
+goes through ``torchrun``.
 """
 
 from __future__ import annotations
@@ -35,21 +33,8 @@ def config(name: str) -> gpt_train.Config:
     return gpt_train.parse(shlex.split(TINY) + shlex.split(name))
 
 
-PINNED = "pinned "
-
-
 def scenario(name: str) -> Callable[[int], dict[str, Any]]:
-    if name.startswith(PINNED):
-        return lambda rank: pinned(name[len(PINNED) :])
     return lambda rank: gpt_train.train(config(name), log=None)
-
-
-def pinned(name: str) -> dict[str, Any]:
-    import _zero3_workers  # the ranks' path holds tests/
-
-    with _zero3_workers.audited(pin=True) as mistaken:
-        run = gpt_train.train(config(name), log=None)
-    return {**run, "mistaken": list(mistaken)}
 
 
 def main(*args: Any) -> None:

@@ -16,7 +16,11 @@ twins, and ``Probe`` modules and ``Mark`` functions inside each unit report
 when the unit's forward and its backward run. From that: which gathers
 were in flight, and which units' gathered storages were still referenced
 (``torch``'s use count of the storage, above what it is once everything is
-released), at each moment a unit ran.
+released), at each moment a unit ran. ``audited`` watches the saved
+tensors ``apply_sharded`` replaces with a token (a unit's parameter, to
+gather again in the backward): each must be a storage that unit's gather
+gave, never an activation that took a released buffer's address. The
+scenarios run as a user's code would, nothing kept alive for them.
 """
 
 from __future__ import annotations
@@ -290,34 +294,39 @@ def case(
 
 
 @contextmanager
-def audited(*, pin: bool = True) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
-    """The saved tensors ``apply_sharded`` turned into a unit's token that were not that unit's
+def audited(*, pin: bool = False) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+    """The saved tensors ``apply_sharded`` turned into a unit's token that are not that unit's
     gathered parameters (an activation at an address a released unit's buffer once had).
 
-    ``pin``: keep every gathered storage alive until the block ends, so that
-    no address is handed out again: the bug ``many_units`` shows (a stale
-    entry in the session's table of gathered storages) cannot strike the
-    other scenarios at random. The block's memory is then not bounded.
+    A gathered storage is known by its ``StorageImpl``, held weakly while the
+    block runs: its memory goes back to the allocator when ``apply_sharded``
+    lets it go, as in any run (the next activations may take that address,
+    which is what the check is for), but the ``StorageImpl`` itself is not
+    freed, so no other storage takes its identity before the block ends.
+
+    ``pin``: also keep every gathered storage's memory alive until the block
+    ends (no address is handed out again, and memory is not bounded). No test
+    here needs it; ``property_tests/_property_zero3.py`` still asks for it.
     """
     track, pack = _sharded._Session._track, _sharded._Session.pack
-    owner: dict[int, str] = {}
+    owner: dict[int, tuple[str, StorageWeakRef]] = {}
     kept: list[Any] = []
     wrong: list[tuple[str, tuple[int, ...]]] = []
 
     def tracked(self: Any, unit: str, full: Any) -> None:
         for t in full:
-            owner[t.untyped_storage()._cdata] = unit
+            storage = t.untyped_storage()
+            owner[storage._cdata] = (unit, StorageWeakRef(storage))
             if pin:
-                kept.append(t.untyped_storage())
+                kept.append(storage)
         track(self, unit, full)
 
     def packed(self: Any, t: torch.Tensor) -> Any:
         saved = pack(self, t)
-        if (
-            isinstance(saved, _sharded._Token)
-            and owner.get(t.untyped_storage()._cdata) != saved.unit
-        ):
-            wrong.append((saved.unit, tuple(t.shape)))
+        if isinstance(saved, _sharded._Token):
+            hit = owner.get(t.untyped_storage()._cdata)
+            if hit is None or hit[0] != saved.unit:
+                wrong.append((saved.unit, tuple(t.shape)))
         return saved
 
     _sharded._Session._track, _sharded._Session.pack = tracked, packed  # type: ignore[method-assign]
@@ -327,19 +336,8 @@ def audited(*, pin: bool = True) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
         _sharded._Session._track, _sharded._Session.pack = track, pack  # type: ignore[method-assign]
 
 
-def steady(f: Callable[[int], Any]) -> Callable[[int], Any]:
-    """A scenario run ``audited(pin=True)``, registered under its own name."""
-
-    def run(rank: int) -> Any:
-        with audited(pin=True):
-            return f(rank)
-
-    run.__name__ = f.__name__
-    return scenario(run)
-
-
 def audited_case(rank: int, **options: Any) -> tuple[tuple[Any, ...], list[Any]]:
-    """``outcome`` of ``case``, and the tokens mistaken on the way."""
+    """``outcome`` of ``case``, and the tokens mistaken on the way (``audited``)."""
     with audited() as wrong:
         got = outcome(lambda: case(rank, **options))
     return got, wrong
@@ -365,7 +363,7 @@ def against_the_oracle(rank: int) -> dict[str, Any]:
     return {name: audited_case(rank, **c) for name, c in CASES.items()}
 
 
-@steady
+@scenario
 def second_order(rank: int) -> dict[str, Any]:
     """A gradient penalty: the gradient taken with create_graph, differentiated again.
 
@@ -476,7 +474,7 @@ def zero3_run(
     return seen
 
 
-@steady
+@scenario
 def adamw_against_ddp(rank: int) -> dict[str, Any]:
     return {
         "zero3": zero3_run(rank, clip=False),
@@ -487,7 +485,7 @@ def adamw_against_ddp(rank: int) -> dict[str, Any]:
     }
 
 
-@steady
+@scenario
 def gradients_against_ddp(rank: int) -> dict[str, Any]:
     """One step's gradients: this rank's rows of DDP's, for every ckpt kind."""
     out = {}
@@ -653,7 +651,7 @@ def _watched(rank: int, units: list[str], ckpt: str | None, depth: int) -> dict[
 BLOCKS = ["body.0", "body.1", "body.2", "body.3"]
 
 
-@steady
+@scenario
 def gathers_and_memory(rank: int) -> dict[str, Any]:
     return {
         "blocks": watched(rank, BLOCKS),
@@ -699,7 +697,7 @@ def many_units(rank: int) -> list[Any]:
             out.square().sum().backward()
             return {k: p.grad for k, p in params.items()}
 
-        with audited(pin=False) as wrong:
+        with audited() as wrong:
             got = outcome(attempt)
         reference = clones(full, grad=True)
         fr.apply(model, fr.State(reference, {}), x)[0].square().sum().backward()
@@ -712,9 +710,7 @@ def many_units(rank: int) -> list[Any]:
 def pool_retention(rank: int) -> dict[str, Any]:
     """What ``fr.distributed``'s pools keep of apply_sharded's gathers once two steps are over.
 
-    Units of 16 KiB: ``Deep(4, 64)``'s activations have other sizes than
-    their buffers, so the scenario runs without ``audited``'s pin (which
-    would keep every buffer busy, and the pools would grow around it).
+    Units of 16 KiB (``Deep(4, 64)``), two steps of a call and its backward.
     """
     torch.manual_seed(0)
     depth, n = 4, 64
@@ -743,7 +739,7 @@ def pool_retention(rank: int) -> dict[str, Any]:
 # --- errors ---------------------------------------------------------------------------------
 
 
-@steady
+@scenario
 def errors(rank: int) -> dict[str, Any]:
     model = net()
     full = fr.state(model)
@@ -797,7 +793,7 @@ def meta_left_out(rank: int) -> Any:
     return fr.distributed.apply_sharded(shapes, state, x, units=["0"])[0]
 
 
-@steady
+@scenario
 def one_rank_raises(rank: int) -> dict[str, Any]:
     """Rank 1 raises inside the forward: after body.0 (body.2's gather still to come), or after
     body.1 (every gather launched); then the same call again, and a collective after it."""
@@ -820,7 +816,7 @@ def one_rank_raises(rank: int) -> dict[str, Any]:
     return out
 
 
-@steady
+@scenario
 def default_units_of_a_module_list(rank: int) -> Any:
     """A model whose blocks sit in a ModuleList (the GPT example's): the default units."""
 
@@ -872,7 +868,7 @@ def counting_backend(graphs: list[list[str]]) -> Callable[..., Any]:
     return backend
 
 
-@steady
+@scenario
 def compiled(rank: int) -> dict[str, Any]:
     """A step calling apply_sharded and loss.backward(), compiled (a counting backend), beside
     eager, three times (the later calls run the compiled code again)."""
@@ -895,7 +891,7 @@ def compiled(rank: int) -> dict[str, Any]:
     return {"got": got, "want": want, "graphs": graphs, "counts": counts}
 
 
-@steady
+@scenario
 def compiled_whole(rank: int) -> dict[str, Any]:
     """The forward and the loss compiled as one graph (fullgraph=True), and its gradient."""
     model = net(depth=2)
@@ -919,7 +915,7 @@ def compiled_whole(rank: int) -> dict[str, Any]:
     return {"got": got, "want": loss_and_grads(forward), "graphs": graphs}
 
 
-@steady
+@scenario
 def compiled_grad_and_value(rank: int) -> dict[str, Any]:
     """fr.grad_and_value (torch.func while compiling) of apply_sharded, compiled: a clear error."""
     model = net(depth=2)
@@ -938,7 +934,7 @@ def compiled_grad_and_value(rank: int) -> dict[str, Any]:
 # --- a weight tied across units ---------------------------------------------------------------
 
 
-@steady
+@scenario
 def tied_gathered_once(rank: int) -> dict[str, Any]:
     """The tied embedding/head weight is gathered once per call, forward and backward together."""
     outside = _sharded.units_of(net(), FLAT).outside

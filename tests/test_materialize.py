@@ -230,7 +230,7 @@ def test_what_cannot_be_made_raises_and_says_what_to_do():
     )
     raises(
         TypeError,
-        r"units must be a list of submodules' qualified names, got a str",
+        r"units must be a list of submodules' qualified names \(as named_modules\(\) gives them\), got a str",
         materialize,
         unset,
         units="fc",

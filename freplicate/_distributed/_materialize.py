@@ -35,6 +35,7 @@ from .._tree import describe
 from .._typing import DeviceSpec
 from ._dcp import agree
 from ._group import comm_device, world_size
+from ._sharded import unit_names
 
 __all__ = ["materialize"]
 
@@ -174,19 +175,8 @@ class _Plan:
 
 
 def _units(module: nn.Module, units: Any, names: dict[str, nn.Module]) -> set[str]:
-    if units is None:
-        return {n for n, c in module.named_children() if any(True for _ in c.parameters())}
-    if isinstance(units, str) or not all(isinstance(u, str) for u in units):
-        raise TypeError(
-            f"{_CALLER}: units must be a list of submodules' qualified names, got {describe(units)}"
-        )
-    unknown = [u for u in units if u not in names]
-    if unknown:
-        raise ValueError(
-            f"{_CALLER}: units {unknown} are not submodules of the module (named_modules() "
-            f"names them {list(names)[:8]}{' ...' if len(names) > 8 else ''})"
-        )
-    return set(units)
+    """The units, as ``apply_sharded`` reads them (one reading of ``units`` for both)."""
+    return set(unit_names(module, units, _CALLER, run=False))
 
 
 def _post_order(module: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -80,11 +80,16 @@ def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALL
     cached = _UNITS.setdefault(module, {})
     found = cached.get(key)
     if found is None:
-        found = cached[key] = _cut(module, _names(module, units, caller))
+        found = cached[key] = _cut(module, unit_names(module, units, caller))
     return found
 
 
-def _names(module: nn.Module, units: Any, caller: str) -> tuple[str, ...]:
+def unit_names(module: nn.Module, units: Any, caller: str, *, run: bool = True) -> tuple[str, ...]:
+    """The units' names, checked (``materialize`` reads ``units`` the same way).
+
+    ``run``: the units must run a forward of their own (``apply_sharded``
+    gathers around it), which a container does not.
+    """
     names = [n for n, _ in module.named_modules()]
     if units is None:
         return tuple(_default_units(module, ""))
@@ -101,7 +106,7 @@ def _names(module: nn.Module, units: Any, caller: str) -> tuple[str, ...]:
         )
     modules = dict(module.named_modules())
     containers = [u for u in units if _container(modules[u])]
-    if containers:
+    if containers and run:
         raise ValueError(
             f"{caller}: units {containers} are containers without a forward of their own "
             "(ModuleList, ModuleDict), which never run: name their members instead"
