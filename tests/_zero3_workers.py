@@ -294,7 +294,7 @@ def case(
 
 
 @contextmanager
-def audited(*, pin: bool = False) -> Iterator[list[tuple[str, tuple[int, ...]]]]:
+def audited() -> Iterator[list[tuple[str, tuple[int, ...]]]]:
     """The saved tensors ``apply_sharded`` turned into a unit's token that are not that unit's
     gathered parameters (an activation at an address a released unit's buffer once had).
 
@@ -303,22 +303,15 @@ def audited(*, pin: bool = False) -> Iterator[list[tuple[str, tuple[int, ...]]]]
     lets it go, as in any run (the next activations may take that address,
     which is what the check is for), but the ``StorageImpl`` itself is not
     freed, so no other storage takes its identity before the block ends.
-
-    ``pin``: also keep every gathered storage's memory alive until the block
-    ends (no address is handed out again, and memory is not bounded). No test
-    here needs it; ``property_tests/_property_zero3.py`` still asks for it.
     """
     track, pack = _sharded._Session._track, _sharded._Session.pack
     owner: dict[int, tuple[str, StorageWeakRef]] = {}
-    kept: list[Any] = []
     wrong: list[tuple[str, tuple[int, ...]]] = []
 
     def tracked(self: Any, unit: str, full: Any) -> None:
         for t in full:
             storage = t.untyped_storage()
             owner[storage._cdata] = (unit, StorageWeakRef(storage))
-            if pin:
-                kept.append(storage)
         track(self, unit, full)
 
     def packed(self: Any, t: torch.Tensor) -> Any:
