@@ -31,6 +31,7 @@ COLLECTIVE = [
     "docs/frozen_parameters.md",
     "docs/sharding.md",
     "docs/uneven_inputs.md",
+    "docs/composing.md",
 ]
 
 

@@ -237,7 +237,7 @@ def _weighted(
         spec.check,
         ("<weights>",),
     )
-    total = plain(total_spec, [w.reshape(1)])[0]
+    total = plain(total_spec, [w.reshape(1)])[0].reshape(())
     summed = replaced(spec, options=replaced(spec.options, op="sum", weighted=False))
     scaled = [t if presummed else t * weight for t in tensors]
     out = apply(summed, scaled)

@@ -20,9 +20,11 @@ import warnings
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 
 from .._checks import check_int
+from .._torch import is_compiling
 
 __all__ = [
     "CommError",
@@ -30,7 +32,9 @@ __all__ = [
     "check_src",
     "collective",
     "comm_device",
+    "forward_ad_level",
     "group_key",
+    "refuse_traced_transforms",
     "world_size",
 ]
 
@@ -52,8 +56,41 @@ def world_size(group: Any, caller: str) -> int:
     Raises:
         TypeError: ``group`` is not a process group.
         RuntimeError: the environment names several processes (``WORLD_SIZE``
-            > 1, as ``torchrun`` sets it) but no process group was initialised.
+            > 1, as ``torchrun`` sets it) but no process group was initialised;
+            or Dynamo traces the call inside a ``torch.func`` transform
+            (``refuse_traced_transforms``), before anything touches the tree.
     """
+    world = _world_size(group, caller)
+    if world > 1 and is_compiling():
+        refuse_traced_transforms(caller)
+    return world
+
+
+def refuse_traced_transforms(caller: str) -> None:
+    """``RuntimeError`` while Dynamo traces inside a ``torch.func`` transform or forward-mode AD.
+
+    Dynamo traces an ``autograd.Function``'s rules there without their
+    collectives (measured on torch 2.13: a ``vmap``'s collective dropped on
+    one rank, a ``jvp``'s tangent zero); eagerly they compose (``_rules``).
+    """
+    if torch._C._are_functorch_transforms_active() or forward_ad_level():
+        raise RuntimeError(
+            f"{caller}: under torch.compile, fr.distributed's collectives cannot run inside "
+            "torch.func transforms (vmap, grad, jvp, jacrev ..., and fr.grad_and_value, which "
+            "uses torch.func while compiling) or forward-mode AD: Dynamo would trace them "
+            "without their rules. Run the transformed step eagerly (it composes there), "
+            "differentiate with torch.autograd inside the compiled function (loss.backward() "
+            "or torch.autograd.grad), or call the collectives outside the transform "
+            "(fr.distributed.grad_and_value does)"
+        )
+
+
+def forward_ad_level() -> bool:
+    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
+    return getattr(forward_ad, "_current_level", -1) >= 0
+
+
+def _world_size(group: Any, caller: str) -> int:
     initialised = dist.is_available() and dist.is_initialized()
     if group is None:
         if initialised:

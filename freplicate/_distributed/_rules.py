@@ -41,11 +41,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.autograd.forward_ad as forward_ad
 import torch.distributed as dist
 
 from .._torch import is_compiling, transform_level
 from ._call import Announced, Call, Request, send_of
+from ._group import forward_ad_level, refuse_traced_transforms
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
@@ -70,26 +70,12 @@ def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
         RuntimeError: while Dynamo traces inside a ``torch.func`` transform
             or a forward-mode level.
     """
-    if is_compiling():  # Dynamo traces comprehensions, not attrgetter
-        if torch._C._are_functorch_transforms_active() or _forward_level():
-            raise RuntimeError(
-                f"{caller}: under torch.compile, fr.distributed's collectives cannot run inside "
-                "torch.func transforms (vmap, grad, jvp, jacrev ..., and fr.grad_and_value, "
-                "which uses torch.func while compiling) or forward-mode AD: Dynamo would trace "
-                "them without their rules. Run the transformed step eagerly (it composes there), "
-                "differentiate with torch.autograd inside the compiled function (loss.backward() "
-                "or torch.autograd.grad), or call the collectives outside the transform "
-                "(fr.distributed.grad_and_value does)"
-            )
+    if is_compiling():
+        refuse_traced_transforms(caller)
         return False
-    if transform_level() is not None or _forward_level():
+    if transform_level() is not None or forward_ad_level():
         return True
     return torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, tensors))
-
-
-def _forward_level() -> bool:
-    """Whether a forward-mode AD level is open (``torch.autograd.forward_ad.dual_level``)."""
-    return getattr(forward_ad, "_current_level", -1) >= 0
 
 
 def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ local gradients as a tree instead.
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterable, Sized
 from typing import Any
 
@@ -24,7 +25,7 @@ import torch
 
 from .._autodiff import differentiate
 from .._checks import check_int
-from .._torch import foreach_add, foreach_add_, foreach_mul, is_compiling
+from .._torch import foreach_add, foreach_add_, foreach_mul, is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, tensor_values
 from .._typing import Compress, Op, TensorTree
 from ._agree import sparse_gradients
@@ -40,6 +41,7 @@ from ._wire import ALL_REDUCE, REDUCE_SCATTER, Spec, replaced
 __all__ = ["Step", "grad_and_value"]
 
 _CALLER = "fr.distributed.grad_and_value"
+_END: Any = object()  # no micro-batch left
 
 
 class Step:
@@ -139,8 +141,8 @@ class Step:
         none = 0.0 if self.weight is not None else None  # a weighted mean: weight 0
         if world <= 1:
             return optree.tree_map(_zeros, tree, namespace=NAMESPACE), None
-        if _ruled((tree,), {}):
-            zeros = optree.tree_map(_zeros, tree, namespace=NAMESPACE)
+        if _ruled((tree,), {}):  # zeros in the tree's graph: this rank's rules run as its peers'
+            zeros = optree.tree_map(_zeros_of, tree, namespace=NAMESPACE)
             return collect(zeros, self._spec(world), weight=none), None
         with Announced(self.group, world, _CALLER) as scope:
             plan, leaves, _ = self._plan(tree, world)
@@ -196,11 +198,13 @@ class Step:
         world = world_size(self.group, _CALLER)
         if world <= 1:
             return self._accumulated_here(tree, micro_batches, known)
-        if _ruled((tree,), {}):  # transformed: the local sum, through the rules
+        with Announced(self.group, world, _CALLER):  # decided by the tree and the first batch
+            drawn, ruled = self._first(tree, _draw(micro_batches, known))
+        if ruled:  # transformed, or a graph to keep: the local sum, through the rules
             with Announced(self.group, world, _CALLER):
-                total, got, weight = self._summed(tree, micro_batches, known)
+                total, got, weight = self._summed(tree, drawn, known)
             if total is None:  # no micro-batch on this rank: zeros, weight 0
-                total = optree.tree_map(_zeros, tree, namespace=NAMESPACE)
+                total = optree.tree_map(_zeros_of, tree, namespace=NAMESPACE)
             return collect(total, self._spec(world), weight=weight, presummed=True), got
         acc = _Sum()
         values: list[Any] = []
@@ -210,8 +214,14 @@ class Step:
                 request = self._request(plan, world)
                 call = scope.call = Call(request)
                 call.begin(self._checksums(tree))
-                for i, batch in enumerate(_draw(micro_batches, known)):
+                for i, batch in enumerate(drawn):
                     args = _micro_args(self.argnums, tree, batch)
+                    if i and _ruled(args, {}):
+                        raise ValueError(
+                            f"{_CALLER}: accumulate's micro-batch {i} carries an autograd graph "
+                            "(or runs under a torch.func transform) where the first did not; pass "
+                            "micro-batches alike (a graph to keep is decided by the first)"
+                        )
                     if i == (known or 0) - 1:  # the last: its reduction overlaps its backward
                         return self._last(call, key, args, leaves, acc, values, world)
                     grads, value = self.local(*args)
@@ -348,6 +358,16 @@ class Step:
 
     # --- what every way of calling shares ---------------------------------------------------
 
+    def _first(self, tree: Any, batches: Iterable[Any]) -> tuple[Iterable[Any], bool]:
+        """The micro-batches again, and whether the rules reduce them: the tree or the first
+        micro-batch carries a graph, or a transform is active (drawn now, as a loop would)."""
+        batches = iter(batches)
+        first = next(batches, _END)
+        if first is _END:
+            return (), _ruled((tree,), {})
+        args = _micro_args(self.argnums, tree, first)
+        return itertools.chain((first,), batches), _ruled(args, {})
+
     def _request(self, plan: Plan, world: int) -> Request:
         return Request(plan, self.group, world, _CALLER, self.check)
 
@@ -448,7 +468,9 @@ class _Sum:
         leaves, spec = flatten_in_order(grads)
         alpha = 1.0 if weight is None else weight
         self.weight += alpha
-        dense = all(t.layout == torch.strided for t in leaves)
+        # foreach kernels have no batching rule, and an in-place sum would rewrite a graph
+        plain = transform_level() is None and not any(t.requires_grad for t in leaves)
+        dense = plain and all(t.layout == torch.strided for t in leaves)
         if self.leaves is None:
             self.spec = spec
             if alpha == 1:
@@ -461,7 +483,7 @@ class _Sum:
             foreach_add_(self.leaves, leaves, alpha=alpha)
         elif dense and all(t.layout == torch.strided for t in self.leaves):
             self.leaves = foreach_add(self.leaves, leaves, alpha=alpha)
-        else:  # sparse gradients: one by one, out of place
+        else:  # sparse gradients, a transform, a graph: one by one, out of place
             self.leaves = [a.add(b, alpha=alpha) for a, b in zip(self.leaves, leaves)]
         self.owned = True
 
@@ -472,6 +494,15 @@ class _Sum:
 
 def _zeros(x: Any) -> Any:
     return torch.zeros_like(x) if isinstance(x, torch.Tensor) else x
+
+
+def _zeros_of(x: Any) -> Any:
+    """Zeros that stay in ``x``'s graph (autograd's, a transform's): a skipping rank's rules
+    then run the collectives its peers' do."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    off = torch.zeros((), dtype=torch.bool, device=x.device)
+    return torch.where(off, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def _count(micro_batches: Any, count: Any) -> int | None:
