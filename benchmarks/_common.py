@@ -31,6 +31,9 @@ from freplicate.testing import init_loopback_group
 T = TypeVar("T")
 
 MODELS = ("many_small", "small_mlp", "mid_mlp")
+# ZeRO's memory model (issue 24): 8 units (7 x Linear(1536, 1536) + ReLU, then a Linear(1536,
+# 1536)), 72 MiB of float32 parameters; not in MODELS, whose benchmarks it would slow down
+DEEP_MLP = "deep_mlp"
 
 
 def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -58,6 +61,12 @@ def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
             nn.Linear(2048, 10),
         )
         x, classes = torch.randn(64, 1024), 10
+    elif name == DEEP_MLP:
+        deep: list[nn.Module] = []
+        for i in range(8):
+            deep += [nn.Linear(1536, 1536)] + ([nn.ReLU()] if i < 7 else [])
+        model = nn.Sequential(*deep)
+        x, classes = torch.randn(64, 1536), 1536
     else:
         raise ValueError(f"unknown benchmark model {name!r}; expected one of {MODELS}")
     y = torch.randint(0, classes, (x.shape[0],))

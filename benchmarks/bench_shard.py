@@ -1,280 +1,270 @@
-"""ZeRO-2 on 2 gloo ranks: fr.distributed's sharded AdamW step beside DDP's, with memory per rank.
+"""ZeRO on 2 gloo ranks: freplicate's ZeRO-1/2/3 beside DDP, ZeroRedundancyOptimizer and FSDP2.
 
-Run ``.venv/bin/python -m benchmarks.bench_shard`` (``--quick`` for a smoke
-run; ``--no-compile`` without the compiled side, whose Inductor compile takes
-a minute or more per model). Two ranks on 127.0.0.1, one thread each, rank r
-pinned to core r, as ``bench_distributed``; the same rounds (every side a few
-steps, the sides in balanced orders, the same order on both ranks), a step's
-time the slowest rank's, each side's time in a round its median step, the
-figure the median over rounds of the per-round ratio. Before timing, every
-side trains a few steps from the same init and must reach the parameters of
-DDP + ``torch.optim.AdamW``.
+Run ``.venv/bin/python -m benchmarks.bench_shard`` (or ``python -m freplicate
+bench shard``; ``--quick`` for a smoke run; ``--no-compile`` without the
+compiled sides, whose Inductor compile takes a minute or more per model;
+``--part speed memory collectives`` for some of the three parts; ``--sides``
+for some sides; ``--in-place`` to have freplicate's sides update their shards
+and AdamW moments in place, as ``torch.optim.AdamW`` does, instead of
+docs/sharding.md's out-of-place update). The sides
+(``_shard_sides``; AdamW, lr 1e-3, weight decay 1e-2, ``F.cross_entropy``):
+DDP + ``torch.optim.AdamW``, DDP + ``ZeroRedundancyOptimizer(AdamW)``, FSDP2
+(``fully_shard`` on each unit and on the root, a ``DeviceMesh`` on ``"cpu"``
+over gloo) + AdamW, and freplicate's ZeRO-1, ZeRO-2 and ZeRO-3
+(``fr.distributed.apply_sharded``: skipped, with a note, while it does not
+exist), eager and compiled. Before any figure, every side trains 3 steps from
+the same init and must reach DDP + AdamW's parameters (within 1% of their
+largest update: Inductor's AdamW rounds differently); one that does not, or
+that fails, is left out with a note.
 
-Sides of the training step (AdamW, lr 1e-3, weight decay 1e-2, ``F.cross_entropy``):
+**Speed** (mid_mlp): two ranks on 127.0.0.1, one thread each, rank r pinned to
+core r; every round runs every side a few steps, the sides in balanced orders
+(the same on both ranks), a step's time the slowest rank's, a side's time in a
+round its median step, the figure the median over rounds of the per-round ratio.
 
-- ``DDP + AdamW``: ``DistributedDataParallel`` + ``torch.optim.AdamW`` as it
-  comes (on CPU its default, the single-tensor loop); every rank holds the
-  whole optimizer state;
-- ``DDP + ZeRO``: DDP + ``ZeroRedundancyOptimizer(AdamW)`` (ZeRO-1: every rank
-  updates the parameters it owns, whole, then broadcasts them);
-- ``fr ZeRO-2``: ``fr.distributed.grad_and_value(..., shard=True)`` (the
-  gradients reduce-scattered from the backward pass), AdamW on this rank's
-  rows only (``torch.optim.AdamW``'s arithmetic in out-of-place foreach ops:
-  the same bits), ``fr.distributed.all_gather`` of the new parameters;
-- ``fr ZeRO-1``: the same, but the gradients all-reduced whole
-  (``fr.distributed.grad_and_value``) and this rank's rows taken
-  (``fr.distributed.shard``);
-- ``fr ZeRO-2 compiled``: the ZeRO-2 step under ``torch.compile(fullgraph=True)``
-  (Inductor), its step count a tensor (AdamW's capturable arithmetic).
+**Memory** (deep_mlp: 8 units, 72 MiB of parameters): each side alone in a fresh
+pair of ranks; after 3 warm-up steps, the peak resident set (``VmHWM``, reset
+through ``/proc/self/clear_refs``) over 3 steps, above the rank's resident set
+at its start (before the model is built), the larger rank's; beside it the
+optimizer state's bytes on each rank, the live heap's peak (glibc's
+``mallinfo2``), and the same 3 steps' peak once ``malloc_trim`` gave back the
+free memory malloc keeps (glibc keeps freed blocks below its mmap threshold,
+which rises to 32 MiB: the resident set of a step that allocates and frees
+large buffers is its live peak plus what malloc kept). Then, for each eager
+side, where that memory is: the live heap after every operator of a step and,
+at each boundary of the step and at each phase's peak, every tensor by role
+(``_shard_sides.Census``).
 
-And gloo's own collectives on mid_mlp's size (40 MB): ``reduce_scatter_single``
-and ``all_gather_single`` beside ``all_reduce``, the price a ZeRO step pays
-on this backend (see docs/sharding.md).
-
-Memory, per side and model, each in a fresh pair of ranks holding that side
-alone (after 3 warm-up steps): the optimizer state's bytes on each rank (the
-tensors of ``torch.optim``'s state, or of the functional state tree), and
-the resident set: before the step, and its peak during one step (``VmHWM``,
-reset just before through ``/proc/self/clear_refs``), the larger of the two
-ranks'. The compiled side's memory is not measured (it would compile in
-every job).
+**Collectives**: gloo's ``all_reduce``, ``reduce_scatter_tensor`` and
+``all_gather_into_tensor`` from 4 KiB to 64 MiB, beside the all-reduce
+alternatives (all-reduce, then this rank's slice copied out, for a
+reduce-scatter; this rank's rows copied into a zeroed full buffer, then
+all-reduced, for an all-gather), in balanced rounds, with each way's page
+faults a call.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
-import re
-from collections.abc import Callable
+import math
+import resource
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
-import freplicate as fr
-
-from ._common import MODELS, build, on_two_ranks, two_rank_arguments
+from . import _shard_sides as sides
+from ._common import DEEP_MLP, MODELS, build, on_two_ranks, orders, two_rank_arguments
 from ._report import Row, show
-from .bench_distributed import _agree, _rounds
+from ._shard_sides import COMPILED, DDP_ADAMW, DDP_ZERO, FSDP2, SIDES, ZERO, MiB
+from .bench_distributed import _rounds
 
 NAME = "shard"
 TITLE = (
-    "shard: ZeRO-2 (AdamW) on 2 gloo ranks, fr.distributed's sharded step beside DDP + "
-    "torch.optim.AdamW and DDP + ZeroRedundancyOptimizer(AdamW); a step's time is the slowest "
-    "rank's"
+    "shard: ZeRO (AdamW) on 2 gloo ranks, freplicate's ZeRO-1/2/3 beside DDP + torch.optim.AdamW, "
+    "DDP + ZeroRedundancyOptimizer(AdamW) and FSDP2 fully_shard + AdamW; a step's time is the "
+    "slowest rank's"
 )
-LR, WD, BETAS, EPS = 1e-3, 1e-2, (0.9, 0.999), 1e-8
-# The targets (issue 17), on mid_mlp: fr ZeRO-2 / each stateful side; compiled / DDP + AdamW
-TARGETS = {"DDP + AdamW": 1.00, "DDP + ZeroRedundancyOptimizer": 0.80}
-COMPILED = 0.90
-TARGET_MODEL = "mid_mlp"
-
-Side = Callable[[], dict[str, torch.Tensor]]
-
-
-def _stateful_side(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> Any:
-    """DDP + AdamW (``kind="adamw"``) or + ZeroRedundancyOptimizer(AdamW): ``(step, optimizer)``."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
-
-    own = copy.deepcopy(model)
-    ddp = DistributedDataParallel(own)
-    options: dict[str, Any] = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
-    if kind == "adamw":
-        opt: Any = torch.optim.AdamW(own.parameters(), **options)
-    else:
-        opt = ZeroRedundancyOptimizer(
-            own.parameters(), optimizer_class=torch.optim.AdamW, **options
-        )
-
-    def step() -> dict[str, torch.Tensor]:
-        opt.zero_grad()
-        F.cross_entropy(ddp(x), y).backward()
-        opt.step()
-        return {k: p.detach() for k, p in own.named_parameters()}
-
-    return step, opt
-
-
-def _adamw(p: Any, g: Any, m: Any, v: Any, step: Any) -> tuple[Any, ...]:
-    """AdamW on lists of tensors, out of place. ``step`` an int: ``torch.optim.AdamW``'s
-    single-tensor arithmetic (on CPU the foreach ops run its per-tensor kernels: the same bits);
-    a float64 tensor: its capturable arithmetic, which a compiled step runs without recompiling."""
-    b1, b2 = BETAS
-    m = torch._foreach_lerp(m, g, 1 - b1)
-    v = torch._foreach_addcmul(torch._foreach_mul(v, b2), g, g, value=1 - b2)
-    decayed = torch._foreach_mul(p, 1 - LR * WD)
-    if isinstance(step, int):
-        step_size = LR / (1 - b1**step)
-        denom = torch._foreach_add(
-            torch._foreach_div(torch._foreach_sqrt(v), (1 - b2**step) ** 0.5), EPS
-        )
-        return torch._foreach_addcdiv(decayed, m, denom, value=-step_size), m, v
-    neg = (-(LR / (1 - b1**step))).float()
-    root = (1 - b2**step).sqrt().float()
-    denom = torch._foreach_add(torch._foreach_div(torch._foreach_sqrt(v), root * neg), EPS / neg)
-    return torch._foreach_addcdiv(decayed, m, denom), m, v
-
-
-class Zero2:
-    """The ZeRO-2 step of docs/sharding.md: its parameters, this rank's shards and AdamW state.
-
-    ``zero1``: ZeRO-1 instead, the gradients all-reduced whole, then this rank's rows taken.
-    """
-
-    def __init__(
-        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, compiled: bool, zero1: bool
-    ) -> None:
-        s = fr.state(model)
-        self.names = list(s.params)
-        self.params = {k: v.detach().clone() for k, v in s.params.items()}
-        buffers = s.buffers
-
-        def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
-            out, _ = fr.apply(model, fr.State(p, buffers), x)
-            return F.cross_entropy(out, y)
-
-        grad_fn = fr.distributed.grad_and_value(loss_fn, shard=not zero1)
-        names = self.names
-
-        def step(params: Any, mine: list[Any], m: list[Any], v: list[Any], t: Any) -> Any:
-            grads, _ = grad_fn(params)
-            if zero1:
-                grads = fr.distributed.shard(grads)
-            t = t + 1
-            mine, m, v = _adamw(mine, [grads[k] for k in names], m, v, t)
-            return fr.distributed.all_gather(dict(zip(names, mine)), params), mine, m, v, t
-
-        # dynamic=False: the same step's code on another model would retrace with symbolic
-        # sizes, which fr.distributed's traced layout check cannot take (reported)
-        self.step = torch.compile(step, fullgraph=True, dynamic=False) if compiled else step
-        # fresh tensors, not views of the parameters: a compiled step would guard on the alias
-        self.mine = [t.clone() for t in fr.distributed.shard(self.params).values()]
-        self.m = [torch.zeros_like(t) for t in self.mine]
-        self.v = [torch.zeros_like(t) for t in self.mine]
-        self.t: Any = torch.zeros((), dtype=torch.float64) if compiled else 0
-
-    def __call__(self) -> dict[str, torch.Tensor]:
-        self.params, self.mine, self.m, self.v, self.t = self.step(
-            self.params, self.mine, self.m, self.v, self.t
-        )
-        return self.params
-
-    def state_bytes(self) -> int:
-        return sum(t.nbytes for t in self.m + self.v)
-
-
-SIDES = (
-    "DDP + AdamW",
-    "DDP + ZeroRedundancyOptimizer",
-    "fr ZeRO-2",
-    "fr ZeRO-1",
-    "fr ZeRO-2 compiled",
+SPEED_MODEL, MEMORY_MODEL = "mid_mlp", DEEP_MLP
+# The speed targets (issue 24, item 3), on mid_mlp: side / baseline <= target; and item 2's
+# ZeRO-3 against FSDP2. None: a row without a target.
+PAIRS: tuple[tuple[str, str, float | None], ...] = (
+    (ZERO[2], DDP_ADAMW, 1.00),
+    (ZERO[2], DDP_ZERO, 0.80),
+    (ZERO[2] + COMPILED, DDP_ADAMW, 0.90),
+    (ZERO[3], DDP_ADAMW, 1.30),
+    (ZERO[3], FSDP2, 1.00),
+    (ZERO[3] + COMPILED, DDP_ADAMW, None),
+    (ZERO[1], DDP_ADAMW, None),
+    (ZERO[1] + COMPILED, DDP_ADAMW, None),
+    (ZERO[2], FSDP2, None),
+    (DDP_ZERO, DDP_ADAMW, None),
+    (FSDP2, DDP_ADAMW, None),
 )
-COMPILED_SIDE = SIDES[4]
+# The memory targets (issue 24, item 2), on deep_mlp: the peak resident set above the rank's
+# start, of DDP + AdamW's; ZeRO-3 also of FSDP2's
+MEMORY_TARGETS = {ZERO[1]: 0.85, ZERO[2]: 0.75, ZERO[3]: 0.60}
+MEMORY_FSDP2 = 1.00
+# 4 KiB to 64 MiB of float32, by fours
+SIZES = tuple(4096 * 4**k for k in range(8))
+COLLECTIVES = (
+    "all_reduce",
+    "reduce_scatter_tensor",
+    "all_reduce + slice",
+    "all_gather_into_tensor",
+    "zeroed + all_reduce",
+)
+# the largest parameter difference to DDP + AdamW after 3 steps, of DDP's largest update: the
+# eager sides agree bit for bit, Inductor's AdamW rounds differently (1e-3 of an update)
+AGREE = 1e-2
 
 
-def _side(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[Side, Any]:
-    """The side's step, and what holds its optimizer state (for its bytes)."""
-    if name == SIDES[0]:
-        return _stateful_side(model, x, y, "adamw")  # type: ignore[no-any-return]
-    if name == SIDES[1]:
-        return _stateful_side(model, x, y, "zero")  # type: ignore[no-any-return]
-    side = Zero2(model, x, y, compiled=name == COMPILED_SIDE, zero1=name == SIDES[3])
-    return side, side
-
-
-def _state_bytes(holder: Any) -> int:
-    """The optimizer state's bytes on this rank."""
-    if isinstance(holder, Zero2):
-        return holder.state_bytes()
-    opt = getattr(holder, "optim", holder)  # ZeroRedundancyOptimizer's local optimizer
-    return sum(
-        t.nbytes for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)
-    )
-
-
-def _times(args: argparse.Namespace) -> dict[str, Any]:
-    """Every model's rounds, on this rank (both ranks run it: the sides are collective)."""
-    out = {}
-    sides = [s for s in SIDES if args.compile or s != COMPILED_SIDE]
-    for name in args.models:
-        model, x, y = build(name)
-        steps = [_side(s, model, x, y)[0] for s in sides]
-        # the same sides are timed after (a compiled one compiles once): where their
-        # parameters are does not change a step's time
-        worst = _agree({("ddp" if i == 0 else s): f for i, (s, f) in enumerate(zip(sides, steps))})
-        if worst > 1e-4:
-            raise AssertionError(f"{name}: the sides disagree with DDP + AdamW by {worst:.2e}")
-        out[name] = (sides, _rounds(steps, args.rounds, args.steps))
-        del steps
-        gc.collect()
-    if not args.quick:
-        out["collectives"] = _collectives(args.rounds, args.steps)
+def _chosen(args: argparse.Namespace) -> list[str]:
+    """The sides this run can run (and the notes on those it cannot, in ``args.notes``)."""
+    out = []
+    for name in args.only or SIDES:
+        if name.endswith(COMPILED) and not args.compile:
+            continue
+        why = sides.missing(name)
+        if why is None:
+            out.append(name)
+        else:
+            args.notes[name] = f"{name}: skipped: {why}"
     return out
 
 
-def _collectives(rounds: int, steps: int) -> Any:
-    """gloo's own collectives on mid_mlp's parameter count: what a ZeRO step pays for them."""
-    model, _, _ = build("mid_mlp")
-    n = 2 * (sum(p.numel() for p in model.parameters()) // 2)
-    world = dist.get_world_size()
-    full, part = torch.randn(n), torch.empty(n // world)
-    out = torch.empty(n)
-    return _rounds(
-        [
-            lambda: dist.all_reduce(full),
-            lambda: dist.reduce_scatter_single(part, full),
-            lambda: dist.all_gather_single(out, part),
-        ],
-        rounds,
-        steps,
-    )
+def _speed(args: argparse.Namespace) -> dict[str, Any]:
+    """Every model's rounds and every size's collectives, on this rank (both ranks run it)."""
+    out: dict[str, Any] = {}
+    for name in args.models:
+        model, x, y = build(name)
+        # the sides that are checked are those timed (a compiled one compiles once): where
+        # their parameters are after the check does not change a step's time
+        made, failed = {}, {}
+        for s in args.sides:
+            try:  # a side that does not run here is a note, not the end of the benchmark
+                made[s] = sides.make(s, model, x, y, **args.fr)
+                made[s].step()
+            except Exception as err:
+                failed[s] = f"{s} on {name}: failed: {_why(err)}"
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, failed)
+        for got in everyone:
+            for s, why in got.items():
+                made.pop(s, None)
+                out.setdefault("notes", {}).setdefault(s, why)
+        worst = sides.agree(made)
+        for s, w in worst.items():
+            if w > AGREE:  # a fast wrong answer is no result
+                del made[s]
+                out.setdefault("notes", {})[s] = (
+                    f"{s} on {name}: not timed: its parameters differ from {DDP_ADAMW}'s by "
+                    f"{w:.1e} of the largest update"
+                )
+        rounds = args.rounds or math.ceil(16 / len(orders(len(made)))) * len(orders(len(made)))
+        steps = [side.step for side in made.values()]
+        out[name] = (list(made), _rounds(steps, rounds, args.steps), worst)
+        del made, steps
+        gc.collect()
+    if "collectives" in args.parts:
+        out["collectives"] = _collectives(args.sizes, args.rounds or 9, args.steps)
+    return out
 
 
-def _tensor_bytes() -> int:
-    """The bytes of every tensor storage the Python objects of this process reach (after a step,
-    between steps: what the side keeps, pooled buffers included)."""
-    seen: dict[int, int] = {}
-    for obj in gc.get_objects():
-        if isinstance(obj, torch.Tensor) and obj.layout == torch.strided:
-            storage = obj.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+def _why(err: BaseException) -> str:
+    """The innermost cause's first line (Dynamo wraps the error a traced call raised)."""
+    while err.__cause__ is not None:
+        err = err.__cause__
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:400] if text else ''}"
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        text = f.read()
-    return int(re.search(rf"^{field}:\s+(\d+) kB", text, re.M)[1])  # type: ignore[index]
+def _collectives(sizes: tuple[int, ...], rounds: int, steps: int) -> dict[int, Any]:
+    """gloo's collectives, and the all-reduce ways to the same results, at every size (bytes):
+    per size the repeats a figure takes, the rounds, and each way's minor page faults a call."""
+    out = {}
+    for nbytes in sizes:
+        reps, candidates = _candidates(nbytes)
+        faults = [[0, 0] for _ in candidates]  # per way: faults, calls (warm-up included)
+        counted = [_counted(f, reps, n) for f, n in zip(candidates, faults)]
+        t = _rounds(counted, rounds, steps)
+        out[nbytes] = (reps, t, [f / max(c, 1) for f, c in faults])
+    return out
 
 
-def _memory(args: tuple[str, str]) -> dict[str, Any]:
-    """One side alone on this pair of ranks: its state bytes, its resident set around a step."""
+def _candidates(nbytes: int) -> tuple[int, list[Any]]:
+    """The five ways of ``COLLECTIVES`` on ``nbytes`` of float32, and how many calls make one
+    figure (a few ms at least)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    n = nbytes // 4
+    c = n // world
+    full, work, part, send = torch.randn(n), torch.zeros(n), torch.empty(c), torch.randn(c)
+    gathered = torch.empty(n)
+    mine = slice(rank * c, (rank + 1) * c)
+    reps = max(1, min(64, 2**24 // nbytes))
+
+    def reduce_via_all_reduce() -> None:
+        dist.all_reduce(work)  # zeros: repeated sums stay finite
+        part.copy_(work[mine])
+
+    def gather_via_all_reduce() -> None:
+        work.zero_()
+        work[mine].copy_(send)
+        dist.all_reduce(work)
+
+    ways = [
+        lambda: dist.all_reduce(work),
+        lambda: scatter(part, full),
+        reduce_via_all_reduce,
+        lambda: gather(gathered, send),
+        gather_via_all_reduce,
+    ]
+    return reps, ways
+
+
+def _counted(fn: Any, reps: int, faults: list[int]) -> Any:
+    """``fn`` called ``reps`` times, its minor page faults and calls added to ``faults``."""
+
+    def run() -> None:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(reps):
+            fn()
+        faults[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+        faults[1] += reps
+
+    return run
+
+
+def _memory(args: tuple[str, str, bool, int, dict[str, Any]]) -> dict[str, Any]:
+    """One side alone on this pair of ranks: its resident set around a few steps (as it comes,
+    then after ``malloc_trim``), its optimizer state, its live heap's peak and (``census``)
+    where its memory is during a step."""
+    from torch.distributed.device_mesh import init_device_mesh  # noqa: F401
     from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: F401
     from torch.nn.parallel import DistributedDataParallel  # noqa: F401
 
-    name, side_name = args  # imported first: the start is every side's, before its model
-    start = _kib("VmRSS")
-    model, x, y = build(name)
-    step, holder = _side(side_name, model, x, y)
-    for _ in range(3):
-        step()
+    model_name, side_name, census, steps, options = (
+        args  # imported first: the start is every side's
+    )
     gc.collect()
-    before = _kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the peak resident set starts again from the current one
-    step()
-    figures = {
-        "tensors": _tensor_bytes(),
-        "state": _state_bytes(holder),
+    start, start_heap = sides.kib("VmRSS"), sides.heap() if sides.heap else 0
+    model, x, y = build(model_name)
+    side = sides.make(side_name, model, x, y, **options)
+    del model
+
+    def run() -> None:
+        for _ in range(steps):
+            side.step()
+
+    for _ in range(3):
+        side.step()
+    gc.collect()
+    before, before_heap = sides.kib("VmRSS"), sides.heap() if sides.heap else 0
+    sides.reset_peak()
+    run()
+    figures: dict[str, Any] = {
+        "state": side.state_bytes(),
         "start": start,
         "before": before,
-        "peak": _kib("VmHWM"),
+        "peak": sides.kib("VmHWM"),
+        "kept": before_heap - start_heap,
     }
+    # the same steps once malloc gave back what it kept free (the warm-up's peaks among it)
+    gc.collect()
+    sides.malloc_trim()
+    sides.reset_peak()
+    run()
+    figures["trimmed"] = sides.kib("VmHWM")
+    compiled = side_name.endswith(COMPILED)
+    if sides.heap is not None and compiled:
+        figures["heap peak"] = sides.sampled_peak(run) - start_heap
+        figures["sampled"] = True
+    elif sides.heap is not None and census:
+        figures["census"] = sides.Census(side, start_heap).count()
+        figures["heap peak"] = figures["census"]["peak"]
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, figures)
     return {"ranks": everyone}
@@ -284,39 +274,148 @@ _DETAILS: list[str] = []
 
 
 def details() -> list[str]:
-    """The memory table of the last ``run``, printed after the timings by ``freplicate bench``."""
+    """The memory, breakdown and collectives tables of the last ``run`` (``freplicate bench``
+    prints them after the timings)."""
     return list(_DETAILS)
 
 
-def _memory_table(memory: dict[tuple[str, str], Any]) -> list[str]:
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / MiB:.1f}"
+
+
+def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list[str]:
     from freplicate._demo._table import table
 
-    header = ["memory (per rank)", "model", "optimizer state MB", "of DDP's", "tensors MB"]
-    header += ["RSS before step MB", "peak in step MB", "above start MB"]
+    def most(got: Any, key: Any) -> float:
+        return max(key(r) for r in got["ranks"])
+
+    def above(got: Any) -> float:
+        return most(got, lambda r: r["peak"] - r["start"])
+
+    def trimmed(got: Any) -> float:
+        return most(got, lambda r: r["trimmed"] - r["start"])
+
+    def live(got: Any) -> float:
+        return most(got, lambda r: r.get("heap peak", math.nan))
+
+    header = ["memory (per rank)", "model", "optimizer state MiB", "of DDP's", "heap kept MiB"]
+    header += ["heap peak", "of DDP's", "RSS start", "RSS peak above start", "of DDP's"]
+    header += ["of FSDP2's", "target", "status", "after malloc_trim", "of DDP's"]
     body = []
     for (model, side), got in memory.items():
-        ranks = got["ranks"]
-        ddp = memory[(model, SIDES[0])]["ranks"][0]["state"]
-        states = [r["state"] for r in ranks]
+        ddp = memory.get((model, DDP_ADAMW))
+        fsdp2 = memory.get((model, FSDP2))
+        states = [r["state"] for r in got["ranks"]]
+        ratio = above(got) / above(ddp) if ddp else None
+        of_fsdp2 = above(got) / above(fsdp2) if fsdp2 else None
+        target = MEMORY_TARGETS.get(side) if model == MEMORY_MODEL else None
+        met = []
+        if target is not None and ratio is not None:
+            met.append(round(ratio, 3) <= target)
+        if side == ZERO[3] and of_fsdp2 is not None and model == MEMORY_MODEL:
+            met.append(round(of_fsdp2, 3) <= MEMORY_FSDP2)
+        sampled = "~" if any(r.get("sampled") for r in got["ranks"]) else ""
         body.append(
             [
                 side,
                 model,
-                " / ".join(f"{s / 2**20:.2f}" for s in states),
-                " / ".join(f"{s / ddp:.3f}" for s in states),
-                f"{max(r['tensors'] for r in ranks) / 2**20:.0f}",
-                f"{max(r['before'] for r in ranks) / 1024:.0f}",
-                f"{max(r['peak'] for r in ranks) / 1024:.0f}",
-                f"{max(r['peak'] - r['start'] for r in ranks) / 1024:.0f}",
+                " / ".join(_mib(s) for s in states),
+                " / ".join(f"{s / ddp['ranks'][0]['state']:.3f}" for s in states) if ddp else "-",
+                _mib(most(got, lambda r: r["kept"])),
+                sampled + _mib(live(got)),
+                f"{live(got) / live(ddp):.3f}" if ddp else "-",
+                f"{most(got, lambda r: r['start']) / 1024:.0f}",
+                f"{above(got) / 1024:.0f}",
+                "-" if ratio is None else f"{ratio:.3f}",
+                "-" if of_fsdp2 is None else f"{of_fsdp2:.3f}",
+                "-" if target is None else f"<= {target:.2f}",
+                "-" if not met else ("met" if all(met) else "missed"),
+                f"{trimmed(got) / 1024:.0f}",
+                f"{trimmed(got) / trimmed(ddp):.3f}" if ddp else "-",
             ]
         )
-    lines = table(header, body, "llrrrrrr")
+    lines = [
+        "",
+        "memory (MiB): each side alone in a fresh pair of ranks, 3 warm-up steps, then 3 steps, "
+        "the larger rank's; optimizer state: rank 0 / rank 1; heap: the live heap (mallinfo2: "
+        "malloc's bytes in use) above the rank's start, between steps, and its peak in a step "
+        "(after every operator; ~: sampled every 0.2 ms, a compiled step); RSS: at the rank's "
+        "start (before the model), and the peak resident set (VmHWM) of the 3 steps above it, "
+        "the figure held to the targets (ZeRO-3 also to <= FSDP2's); after malloc_trim: the "
+        "same 3 steps again once malloc gave back its free memory (a compiled side's RSS "
+        "includes what the compiler keeps)",
+        *table(header, body, "llrrrrrrrrrllrr"),
+        *notes,
+    ]
+    for (model, side), got in memory.items():
+        ranks = got["ranks"]
+        rank = max(range(len(ranks)), key=lambda r: ranks[r]["peak"] - ranks[r]["start"])
+        census = ranks[rank].get("census")
+        if census:
+            lines += _breakdown(f"{side} on {model}, rank {rank}", census)
+    return lines
+
+
+def _breakdown(title: str, census: dict[str, Any]) -> list[str]:
+    from freplicate._demo._table import table
+
+    header = ["where (MiB; heap above the rank's start)", "heap", *sides.COLUMNS, "malloc free"]
+    body = []
+    for row in census["rows"]:
+        body.append(
+            [
+                row["label"],
+                _mib(row["heap"]),
+                *(_mib(row[c]) for c in sides.COLUMNS),
+                _mib(row["malloc free"]),
+            ]
+        )
+    lines = [
+        "",
+        f"breakdown: {title}, {census['ops']} operators a step (the counting's own "
+        f"{_mib(census['overhead'])} MiB taken off): the live heap, and every tensor "
+        "Python reaches by role (pools idle: freplicate's pooled buffers no result views; "
+        "saved: by autograd; unseen: the heap beyond them); malloc free: freed memory malloc "
+        "keeps (resident where touched)",
+        *table(header, body, "l" + "r" * (len(header) - 1)),
+    ]
+    for row in census["rows"]:
+        if row["pools"] and row["label"].startswith(("between", "the step's")):
+            held = ", ".join(
+                f"{kind} {_mib(n)}" + (f" in {k}" if k > 1 else "") + f" ({who})"
+                for kind, who, n, k in row["pools"]
+            )
+            lines.append(f"  pools {row['label']}: {held}")
+    return lines
+
+
+def _collective_table(got: dict[int, Any]) -> list[str]:
+    from freplicate._demo._table import table
+
+    header = ["gloo, 2 ranks: size", "calls", "all_reduce ms", "reduce_scatter", "AR + slice"]
+    header += ["all_gather", "zeroed + AR", "RS / (AR + slice)", "AG / (zeroed + AR)", "choose"]
+    header += ["page faults a call: AR, RS, AG"]
+    body = []
+    for nbytes, (reps, t, faults) in got.items():
+        size = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
+        rs, ag = t.ratio(1, 2), t.ratio(3, 4)
+        pick = ("reduce_scatter" if rs <= 1 else "AR + slice") + ", "
+        pick += "all_gather" if ag <= 1 else "zeroed + AR"
+        body.append(
+            [size, str(reps), f"{t.median(0) / reps * 1e3:.3f}"]
+            + [f"{t.ratio(i, 0):.2f}x" for i in range(1, 5)]
+            + [f"{rs:.2f}", f"{ag:.2f}", pick]
+            + [", ".join(f"{faults[i]:.0f}" for i in (0, 1, 3))]
+        )
     return [
         "",
-        "optimizer state: rank 0 / rank 1; tensors: every storage the process reaches between "
-        "steps (pooled buffers too); RSS: before a step, its peak during the step, and that peak "
-        "above the rank's RSS before the model was built; the larger rank's",
-        *lines,
+        "collectives: the median call (the slowest rank's) of all_reduce, and each other way's "
+        "time / all_reduce's of the same full size (median of per-round ratios); RS via AR: "
+        "all_reduce, then this rank's slice copied out; AG via AR: this rank's rows copied into "
+        "a zeroed full buffer, then all_reduce; page faults: rank 0's minor faults a call (a "
+        "fresh buffer from the system: gloo's reduce_scatter clones its input, its all_gather "
+        "lands in a temporary, above malloc's mmap threshold that memory is new every call)",
+        *table(header, body, "lrrrrrrrrlr"),
     ]
 
 
@@ -324,72 +423,107 @@ def run(
     quick: bool = False,
     *,
     models: tuple[str, ...] | None = None,
+    memory_models: tuple[str, ...] | None = None,
     rounds: int | None = None,
     steps: int | None = None,
     pin: bool = True,
     compile: bool | None = None,
+    parts: tuple[str, ...] = ("speed", "memory", "collectives"),
+    only: tuple[str, ...] = (),
+    in_place: bool = False,
 ) -> list[Row]:
-    """Spawn the ranks, time every side on each model, measure memory; rank 0's rows."""
-    chosen = models or (("small_mlp",) if quick else MODELS)
+    """Spawn the ranks: time every side, measure each one's memory, time the collectives."""
     args = argparse.Namespace(
-        models=list(chosen),
-        rounds=rounds or (3 if quick else 15),
+        models=list(models or (("small_mlp",) if quick else (SPEED_MODEL,))),
+        rounds=rounds or (3 if quick else None),
         steps=steps or (2 if quick else 3),
         compile=(not quick) if compile is None else compile,
-        quick=quick,
+        sizes=(64 * 1024, 4 * MiB) if quick else SIZES,
+        parts=parts,
+        notes={},
+        only=only and (DDP_ADAMW, *(s for s in only if s != DDP_ADAMW)),
+        fr={"in_place": True} if in_place else {},
     )
-    results = on_two_ranks(_times, args, pin=pin, group_timeout=600, limit=7200)
-    measured = (SIDES[0], SIDES[2]) if quick else SIDES[:4]
-    memory = {
-        (name, side): on_two_ranks(_memory, (name, side), pin=pin, group_timeout=120, limit=600)
-        for name in chosen
-        for side in measured
-    }
-    _DETAILS[:] = _memory_table(memory)
+    args.sides = _chosen(args)
+    results: dict[str, Any] = {}
+    if "speed" not in parts:
+        args.models = []
+    if args.models or "collectives" in parts:
+        results = on_two_ranks(_speed, args, pin=pin, group_timeout=600, limit=7200)
+    memory = {}
+    if "memory" in parts:
+        chosen = memory_models or (("small_mlp",) if quick else (MEMORY_MODEL,))
+        measured = [DDP_ADAMW, ZERO[2]] if quick and not only else args.sides
+        for name in chosen:
+            for side in measured:
+                try:  # its ranks' output says why, above the report
+                    memory[(name, side)] = on_two_ranks(
+                        _memory,
+                        (name, side, True, 3, args.fr),
+                        pin=pin,
+                        group_timeout=600,
+                        limit=1800,
+                    )
+                except RuntimeError as err:
+                    args.notes[(name, side)] = f"{side} on {name}: memory not measured: {err}"
+    notes = list(args.notes.values()) + list(results.get("notes", {}).values())
+    _DETAILS[:] = ["freplicate's sides: AdamW in place (--in-place)"] if in_place else []
     rows = []
-    for name in chosen:
-        sides, t = results[name]
-        fr_i = sides.index(SIDES[2])
-        for base in (0, 1):
-            target = TARGETS[SIDES[base]] if name == TARGET_MODEL else None
-            rows.append(
-                Row(NAME, f"AdamW step: fr ZeRO-2 / {SIDES[base]}", name,
-                    t.median(fr_i), t.median(base), t.ratio(fr_i, base), target)
-            )  # fmt: skip
-        if COMPILED_SIDE in sides:
-            c = sides.index(COMPILED_SIDE)
-            target = COMPILED if name == TARGET_MODEL else None
-            rows.append(
-                Row(NAME, f"AdamW step: {COMPILED_SIDE} / {SIDES[0]}", name,
-                    t.median(c), t.median(0), t.ratio(c, 0), target)
-            )  # fmt: skip
-        for i in (sides.index(SIDES[3]), 1):
-            rows.append(
-                Row(NAME, f"AdamW step: {SIDES[i]} / {SIDES[0]}", name,
-                    t.median(i), t.median(0), t.ratio(i, 0))
-            )  # fmt: skip
-    t = results.get("collectives")  # not in a quick run
-    if t is not None:
-        for i, what in ((1, "dist.reduce_scatter_single"), (2, "dist.all_gather_single")):
-            rows.append(
-                Row(NAME, f"gloo, mid_mlp's 40 MB: {what} / dist.all_reduce", "mid_mlp",
-                    t.median(i), t.median(0), t.ratio(i, 0))
-            )  # fmt: skip
+    for name in args.models:
+        ran, t, worst = results[name]
+        agreement = ", ".join(f"{s} {w:.1e}" for s, w in worst.items() if s != DDP_ADAMW)
+        _DETAILS.append(f"{name}: largest parameter difference to {DDP_ADAMW} after 3 steps, "
+                        f"of its largest update: {agreement}")  # fmt: skip
+        for side, base, target in PAIRS:
+            if side in ran and base in ran:
+                i, j = ran.index(side), ran.index(base)
+                held = target if name == SPEED_MODEL else None
+                rows.append(
+                    Row(NAME, f"AdamW step: {side} / {base}", name,
+                        t.median(i), t.median(j), t.ratio(i, j), held)
+                )  # fmt: skip
+    if memory:
+        _DETAILS.extend(_memory_tables(memory, notes))
+    elif notes:
+        _DETAILS.extend(["", *notes])
+    if "collectives" in results:
+        _DETAILS.extend(_collective_table(results["collectives"]))
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=TITLE)
     parser.add_argument("--quick", action="store_true", help="few rounds, for a smoke run")
-    parser.add_argument("--models", nargs="*", default=None, choices=MODELS)
+    parser.add_argument("--models", nargs="*", default=None, choices=(*MODELS, DEEP_MLP))
+    parser.add_argument("--memory-models", nargs="*", default=None, choices=(*MODELS, DEEP_MLP))
     parser.add_argument("--no-compile", dest="compile", action="store_false", default=None)
+    parser.add_argument(
+        "--part", nargs="*", default=["speed", "memory", "collectives"],
+        choices=["speed", "memory", "collectives"],
+    )  # fmt: skip
+    parser.add_argument(
+        "--sides", nargs="*", default=[], choices=SIDES,
+        help=f"only these sides (and {DDP_ADAMW}, every figure's baseline)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--in-place", action="store_true",
+        help="freplicate's sides update their shards and AdamW moments in place (torch.optim's "
+        "loop) instead of docs/sharding.md's out-of-place AdamW",
+    )  # fmt: skip
     two_rank_arguments(parser)
     args = parser.parse_args(argv)
-    models = tuple(args.models) if args.models else None
     rows = run(
-        args.quick, models=models, rounds=args.rounds, steps=args.steps, pin=args.pin,
+        args.quick,
+        models=tuple(args.models) if args.models else None,
+        memory_models=tuple(args.memory_models) if args.memory_models else None,
+        rounds=args.rounds,
+        steps=args.steps,
+        pin=args.pin,
         compile=args.compile,
-    )  # fmt: skip
+        parts=tuple(args.part),
+        only=tuple(args.sides),
+        in_place=args.in_place,
+    )
     show(TITLE, rows)
     print("\n".join(details()))
 

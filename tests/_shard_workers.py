@@ -387,7 +387,7 @@ def zero2_grads(rank: int) -> dict[str, Any]:
         ddp = ddp_of(model, bucket_cap_mb=cap)
         F.cross_entropy(ddp(x), y).backward()
         snap = snapshot((params, x, y))
-        with Calls("reduce_scatter_single") as scatters:
+        with Calls("all_reduce") as scatters:  # on gloo a reduce-scatter travels as one
             grads, value = fr.distributed.grad_and_value(loss_fn, shard=True, bucket_cap_mb=cap)(
                 params, x, y
             )
@@ -432,7 +432,7 @@ def zero2_accumulate(rank: int) -> dict[str, Any]:
                 F.cross_entropy(ddp(x), y).backward()
         F.cross_entropy(ddp(*micro[-1][:1]), micro[-1][1]).backward()
         step = fr.distributed.grad_and_value(loss_of(model), shard=True, bucket_cap_mb=cap)
-        with Calls("reduce_scatter_single") as scatters:
+        with Calls("all_reduce") as scatters:  # on gloo a reduce-scatter travels as one
             grads, values = step.accumulate(params, micro)
         unsharded = fr.distributed.grad_and_value(loss_of(model), bucket_cap_mb=cap)
         out[cap] = {

@@ -719,12 +719,16 @@ def pool_retention(rank: int) -> dict[str, Any]:
         out.square().sum().backward()
         del out
     kept: dict[str, int] = {}
+    seen: set[int] = set()  # a pool that layouts of one size share, once
     for key, plan in list(_plans._PLANS.items()):
         if key[0] == "rule" and set(key[1]) <= paths:
             kind = plan.layout.options.kind
             for pools in plan.pools:
                 for pool in (pools.send, pools.recv, pools.res):
-                    for buf, _ in [] if pool is None else pool.entries:
+                    if pool is None or id(pool) in seen:
+                        continue
+                    seen.add(id(pool))
+                    for buf, _ in pool.entries:
                         kept[kind] = kept.get(kind, 0) + buf.numel() * buf.element_size()
     return {"kept": kept, "unit": sum(t.numel() * t.element_size() for t in full.values()) // depth}
 

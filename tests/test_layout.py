@@ -20,12 +20,14 @@ from freplicate._distributed._wire import ALIGN, valid_rows
 CPU = torch.device("cpu")
 
 
-def layout_of(shapes, dtypes=None, *, cap=25.0, kind="all_reduce", world=1, op="sum", orders=None):
+def layout_of(
+    shapes, dtypes=None, *, cap=25.0, kind="all_reduce", world=1, op="sum", orders=None, backend="nccl"
+):
     dtypes = dtypes or [torch.float32] * len(shapes)
     orders = orders or [None] * len(shapes)
     sigs = [(tuple(s), d, CPU, torch.strided, o) for s, d, o in zip(shapes, dtypes, orders)]
     paths = [f"['{i}']" for i in range(len(shapes))]
-    return build(Tree(paths, sigs), Options(kind, op, cap, None), world, "fr.test", CPU)
+    return build(Tree(paths, sigs), Options(kind, op, cap, None), world, "fr.test", CPU, backend)
 
 
 def ddp_buckets(shapes, dtypes, cap_mb):
@@ -62,7 +64,7 @@ def test_the_first_bucket_carries_the_first_words_and_the_last_its_own():
 
 def test_a_layout_without_tensors_has_a_bucket_of_words():
     options = Options("all_reduce", "sum", 25.0, None)
-    layout = build(Tree(["['n']"], [None], [-1]), options, 1, "fr.test", CPU)
+    layout = build(Tree(["['n']"], [None], [-1]), options, 1, "fr.test", CPU, "gloo")
     assert [(b.members, b.chunk) for b in layout.buckets] == [((), _flags.FIRST)]
 
 
@@ -99,7 +101,7 @@ def test_a_mean_of_integers_and_a_sparse_scatter_are_refused_by_path():
     sig = [((3, 3), torch.float32, CPU, torch.sparse_coo, None)]
     options = Options("reduce_scatter", "sum", 25.0, None)
     with pytest.raises(TypeError, match=r"layout torch\.sparse_coo, .* \(a reduce_scatter takes dense tensors only\)"):
-        build(Tree(["['s']"], sig), options, 2, "fr.test", CPU)
+        build(Tree(["['s']"], sig), options, 2, "fr.test", CPU, "gloo")
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
@@ -128,3 +130,14 @@ def test_the_kind_and_the_memory_format_are_part_of_the_fingerprint():
     d = layout_of(shapes, kind="all_reduce", world=2)
     text = difference(("fr.f", c.description), 0, ("fr.f", d.description), 1)
     assert text.startswith("ranks called different collectives: reduce_scatter on rank 0, all_reduce on rank 1")
+
+
+def test_the_rowed_kinds_travel_as_an_all_reduce_on_gloo():
+    # chosen at the leaf by the backend and the call's bytes (docs/sharding.md's measurements)
+    shapes = [(4096, 512)]  # 8 MiB of float32
+    assert layout_of(shapes, kind="reduce_scatter", world=2, backend="gloo").wire == "reduce_scatter/sum"
+    assert layout_of(shapes, kind="reduce_scatter", world=2, backend="nccl").wire == "reduce_scatter"
+    assert layout_of(shapes, kind="all_gather", world=2, backend="gloo").wire == "all_gather/sum"
+    assert layout_of([(4, 3)], kind="all_gather", world=2, backend="gloo").wire == "all_gather"
+    by_sum = layout_of(shapes, kind="all_gather", world=2, backend="gloo")
+    assert [b.chunks for b in by_sum.buckets] == [1] and by_sum.buckets[0].ranks == 2

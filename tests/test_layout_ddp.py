@@ -151,8 +151,8 @@ def keeps(kind: str, t: torch.Tensor, shape: tuple[int, ...]) -> tuple[int, ...]
 
 
 def test_a_transposed_weight_comes_back_contiguous_from_the_row_cutting_kinds(job) -> None:
-    """What the table in the module's text says, seen: rows are what reduce-scatter and
-    all-gather cut, so a weight stored transposed (dim 0 innermost) travels row-major."""
+    """What the table in the module's text says, seen: rows are what an all-gather's chunks
+    cut, so a weight stored transposed (dim 0 innermost) travels row-major."""
     for rank, res in enumerate(w.ok(job, "collectives_keep_formats")):
         observed = res[str(torch.float32)]
         assert observed["inputs"]["c_transposed"].stride() == (1, 5)

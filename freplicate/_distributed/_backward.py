@@ -110,11 +110,12 @@ class Attempt:
 
     def keep(
         self,
-        grads: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor] | None,
         value: Any,
         split: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]] | None = None,
     ) -> None:
-        """The first try's gradients (``split`` makes them one per tensor) and its value."""
+        """The first try's gradients (``split`` makes them one per tensor; ``None``: not all
+        kept, a retry runs ``fn`` again) and its value."""
         self._grads, self._split, self.value = grads, split, value
 
     @property
@@ -158,8 +159,9 @@ def overlapped(
         made = _made(stacks, tensors, args, n, caller)
         assert made is not None
     diff, fresh = made
-    if stacks.leaves.stacked:  # a stack may meet a sparse gradient: the retry needs the numbers
-        attempt.rewind = Rewind(tensors)
+    # a retry runs fn again from this random state: the gradients launched from hooks are
+    # let go as their bucket is packed, so a retry cannot reuse them
+    attempt.rewind = Rewind(tensors)
     new_args = list(args)
     new_args[n] = plan.rebuild(leaves, fresh)
     layout = plan.layout
@@ -177,12 +179,12 @@ def overlapped(
             for h in handles:
                 h.remove()
     rest = detached(value, aux, has_aux)
-    attempt.keep(grads, rest, stacks.leaves.split)
+    attempt.keep(None if watch.freed else grads, rest, stacks.leaves.split)
     if watch.sparse or any(g.layout != torch.strided for g in grads):
         call.retry()
     for b in range(call.launched, len(layout.buckets)):
         span = stacks.spans[b]
-        call.launch(b, stacks.parts(b, grads[span.start : span.stop]), send)
+        call.launch(b, stacks.parts(b, watch.held(b, grads[span.start : span.stop])), send)
     return call.finish(), rest
 
 
@@ -199,7 +201,7 @@ def _made(
 class _Watch:
     """The hooks that launch each bucket but the last as soon as its gradients are all computed."""
 
-    __slots__ = ("call", "missing", "nb", "ready", "send", "sparse", "stacks")
+    __slots__ = ("call", "freed", "missing", "nb", "ready", "send", "sparse", "stacks")
 
     def __init__(self, call: Call, send: Send, stacks: Stacks, nb: int) -> None:
         self.call = call
@@ -209,6 +211,7 @@ class _Watch:
         self.ready: list[list[torch.Tensor | None]] = [[None] * len(s) for s in stacks.spans]
         self.missing = [len(s) for s in stacks.spans]
         self.sparse: list[int] = []  # buckets that met a sparse gradient
+        self.freed = False  # a hook gave autograd a stand-in: the gradients it returns are not all
 
     def hooks(self, diff: Sequence[torch.Tensor]) -> list[Any]:
         # The last bucket can only start once the backward pass is over: no hooks there.
@@ -218,17 +221,27 @@ class _Watch:
                 handles.append(diff[d].register_hook(self._hook(b, j)))
         return handles
 
-    def _hook(self, b: int, j: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _hook(self, b: int, j: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
             if grad.layout != torch.strided:
                 self.sparse.append(b)  # its bucket, and every later one, waits for the end
-                return
+                return None
             self.ready[b][j] = grad
             self.missing[b] -= 1
             if self.missing[b] == 0:
                 self._launch_ready()
+            # autograd keeps what a hook returns until the backward pass ends: a stand-in of no
+            # memory, so that each gradient lives only until its bucket is packed (FSDP2 and
+            # DDP's gradient_as_bucket_view let theirs go too)
+            self.freed = True
+            return grad.new_zeros(()).expand(grad.shape)
 
         return hook
+
+    def held(self, b: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Bucket ``b``'s gradients after the backward pass: the hooks' where they kept them."""
+        kept = self.ready[b]
+        return [g if kept[j] is None else kept[j] for j, g in enumerate(grads)]  # type: ignore[misc]
 
     def _launch_ready(self) -> None:
         # Buckets start in bucket order on every rank, whatever order their gradients come in.
@@ -236,3 +249,4 @@ class _Watch:
         while call.launched < self.nb - 1 and self.missing[call.launched] == 0 and not self.sparse:
             b = call.launched
             call.launch(b, self.stacks.parts(b, self.ready[b]), self.send)  # type: ignore[arg-type]
+            self.ready[b] = [None] * len(self.ready[b])  # packed: let them go

@@ -118,13 +118,13 @@ class Call:
         plan = request.plan
         self.request = request
         self.layout = layout = plan.layout
-        self.kind = kind = KINDS[layout.options.kind]  # a lookup Dynamo traces
+        self.kind = kind = KINDS[layout.wire]  # a lookup Dynamo traces (the carrying kind)
         self.transport: Eager | Traced = (
             Eager(kind, plan.pools, request.group, request.caller)
             if plan.lock is not None
             else Traced(kind, request.group, request.world)
         )
-        self.rank = dist.get_rank(request.group) if layout.world > 1 else 0
+        self.rank = dist.get_rank(request.group) if kind.needs_rank else 0
         self.fast = False
         self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
@@ -311,7 +311,7 @@ class Call:
         total = self._total(landed) if weighted else None
         out: list[torch.Tensor] = []
         for b, bucket in enumerate(buckets):
-            buf = kind.land(bucket, landed[b], res[b])
+            buf = kind.land(bucket, landed[b], res[b], self.rank)
             if weighted and self.eager:
                 _divide(buf[: bucket.data], total)
             elif weighted:  # traced: a new buffer, in autograd's graph

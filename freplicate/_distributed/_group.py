@@ -29,6 +29,7 @@ from .._torch import is_compiling
 __all__ = [
     "CommError",
     "ProtocolError",
+    "backend_of",
     "check_src",
     "collective",
     "comm_device",
@@ -149,6 +150,13 @@ def check_src(caller: str, src: Any, group: Any) -> int:
             "src is a global rank"
         )
     return src
+
+
+def backend_of(group: Any) -> str:
+    """The group's backend (``"gloo"``, ``"nccl"`` ...): what a kind's wire format is chosen by."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return "gloo"
+    return str(dist.get_backend(group))
 
 
 def comm_device(group: Any) -> torch.device:

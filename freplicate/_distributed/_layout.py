@@ -30,7 +30,7 @@ import torch
 from .._pack import group_by
 from . import _flags
 from ._options import Options
-from ._wire import Bucket, Kind, Run
+from ._wire import KINDS, Bucket, Kind, Run, aligned
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
@@ -76,6 +76,7 @@ class Layout(NamedTuple):
     """A tree's layout for one kind of call with given options (see the module's text)."""
 
     options: Options
+    wire: str  # the kind whose format and transport carry the call (``Kind.on``: per backend)
     world: int  # the chunks a bucket travels as (1 for a reduction)
     leaves: int  # how many leaves the tree has
     unique: tuple[int, ...]  # the leaf of each tensor (the first position of a tied one)
@@ -91,11 +92,12 @@ class Layout(NamedTuple):
 
     @property
     def kind(self) -> Kind:
-        return self.options.collective
+        """The kind that carries the call (its wire format and transport)."""
+        return KINDS[self.wire]
 
     @property
     def first(self) -> First:
-        return First(self.options.collective, self.buckets[0])
+        return First(KINDS[self.wire], self.buckets[0])
 
     def speculates(self, world: int) -> bool:
         """Whether calls may take the fast path, the check in the first bucket's words.
@@ -107,13 +109,17 @@ class Layout(NamedTuple):
         return b.comm.itemsize > 1 or b.maximum or world < 256
 
 
-def build(tree: Tree, options: Options, world: int, caller: str, words: torch.device) -> Layout:
+def build(
+    tree: Tree, options: Options, world: int, caller: str, words: torch.device, backend: str
+) -> Layout:
     """The layout of a tree of these leaves for ``options`` over ``world`` ranks.
 
-    ``world``: the group's size (it cuts the chunks of the rowed kinds);
+    ``world``: the group's size (it cuts the rowed kinds' tensors into rows);
     ``words``: where the flag words travel when no tensor is bucketed (a
     bucket of words only: every call has one, so that its words, failure
-    and retry included, always reach every rank).
+    and retry included, always reach every rank); ``backend``: the group's,
+    which (with the call's bytes) chooses the kind that carries the call
+    (``Kind.on``), the same on every rank.
 
     Raises:
         TypeError: a tensor that cannot travel (a layout other than strided
@@ -121,7 +127,9 @@ def build(tree: Tree, options: Options, world: int, caller: str, words: torch.de
             or bool tensor in a mean, named by its path.
     """
     unique = _unique(tree)
-    kind = options.collective
+    public = options.collective
+    nbytes = sum(_numel(s[0]) * s[1].itemsize for s in (tree.sigs[i] for i in unique) if s)
+    kind = public.on(backend, nbytes)
     sigs = tuple(_tensor_sig(tree.sigs[i], kind) for i in unique)
     whole = tuple(tree.whole) if tree.whole is not None else tuple(not s[0] for s in sigs)
     _check(sigs, [tree.paths[i] for i in unique], options, caller)
@@ -130,9 +138,9 @@ def build(tree: Tree, options: Options, world: int, caller: str, words: torch.de
     local = tuple(k for k in range(len(sigs)) if kind.gathers and whole[k])
     outside = set(sparse) | set(local)
     dense = [k for k in range(len(sigs)) if k not in outside]
-    cuts = _cuts(sigs, dense[::-1], options, chunks)
+    cuts = _cuts(sigs, dense[::-1], options, kind, chunks)
     made = [
-        _bucket(sigs, whole, members, comm, _flags.extra(b, len(cuts) - 1), chunks, kind)
+        _bucket(sigs, whole, members, comm, _flags.extra(b, len(cuts) - 1), (chunks, world), kind)
         for b, (members, comm) in enumerate(cuts)
     ]
     if not made:
@@ -141,6 +149,7 @@ def build(tree: Tree, options: Options, world: int, caller: str, words: torch.de
     digest = hashlib.blake2b(repr(description).encode(), digest_size=8).digest()
     return Layout(
         options=options,
+        wire=kind.name,
         world=chunks,
         leaves=len(tree.sigs),
         unique=unique,
@@ -227,7 +236,7 @@ def _comm(dtype: torch.dtype, options: Options) -> torch.dtype:
 
 
 def _cuts(
-    sigs: Sequence[Sig], order: Sequence[int], options: Options, chunks: int
+    sigs: Sequence[Sig], order: Sequence[int], options: Options, kind: Kind, chunks: int
 ) -> list[tuple[list[int], torch.dtype]]:
     """Each bucket's tensors (grouped by shape) and the dtype it travels in, in launch order.
 
@@ -241,7 +250,6 @@ def _cuts(
     first = FIRST_BUCKET_BYTES if options.bucket_cap_mb == DEFAULT_CAP_MB else options.cap_bytes
     open_: dict[Any, tuple[list[int], int, int]] = {}  # per kind: members, bytes, closed so far
     closed: list[list[int]] = []
-    kind = options.collective
     for k in order:
         shape, dtype, device, _, _ = sigs[k]
         members, size, nth = open_.get((device, dtype), ([], 0, 0))
@@ -274,9 +282,11 @@ def _bucket(
     members: list[int],
     comm: torch.dtype,
     extra: int,
-    chunks: int,
+    cut: tuple[int, int],
     kind: Kind,
 ) -> Bucket:
+    """A bucket of ``members``; ``cut``: the chunks it travels as, and the ranks its rows are for."""
+    chunks, world = cut
     _, dtype, device, _, _ = sigs[members[0]]
     runs: list[Run] = []
     start = 0
@@ -286,6 +296,8 @@ def _bucket(
         run = kind.run(shape, order, held, count, start, chunks, (dtype, comm))
         runs.append(run)
         start += run.width
+    # several chunks: each starts aligned too (the words end a chunk; padding goes before them)
+    pad = aligned(start + extra, dtype, comm) - start - extra if chunks > 1 else 0
     return Bucket(
         members=tuple(members),
         runs=tuple(runs),
@@ -294,10 +306,11 @@ def _bucket(
         device=device,
         maximum=dtype == torch.bool,
         extra=extra,
-        chunk=start + extra,
+        chunk=start + pad + extra,
         chunks=chunks,
-        widths=(*(run.width for run in runs), extra),
+        widths=(*(run.width for run in runs), pad, extra),
         gathered=kind.gathered(runs, chunks, dtype),
+        ranks=world,
     )
 
 

@@ -33,7 +33,7 @@ from .._torch import assume_constant_result, graph_break, is_compiling, resolve_
 from .._tree import NAMESPACE, alias_groups, flatten_in_order, paths_of, picker, tensor_values
 from .._typing import TensorTree
 from . import _ops, _store
-from ._group import comm_device
+from ._group import backend_of, comm_device
 from ._layout import Layout, Sig, Tree, build
 from ._options import Options
 from ._transport import Pools
@@ -163,18 +163,17 @@ def plan_of(
     """
     if is_compiling():
         return _traced(tree, options, group, world, caller, check)
-    chunks = options.collective.chunks(world)
     values = tensor_values(tree)
     if values is not None and len(set(map(id, values))) == len(values):
         # the key at C speed: the signatures without memory orders, and the orders only where
         # some tensor is not contiguous
         base, orders = tuple(map(_BASE, values)), _orders(values)
-        key: tuple[Any, ...] = (_DICT, tuple(tree), base, orders, options, chunks, caller)
+        key: tuple[Any, ...] = (_DICT, tuple(tree), base, orders, options, world, caller)
         plan = _PLANS.get(key)
         if plan is None:
             keys = tuple(tree)
             described = Tree([f"[{k!r}]" for k in keys], _signed(base, orders))
-            layout = build(described, options, chunks, caller, comm_device(group))
+            layout = build(described, options, world, caller, comm_device(group), backend_of(group))
             plan = _remember(key, Plan(layout, None, keys, eager=True, tensors=values))
         return plan, values
     leaves, spec = flatten_in_order(tree)
@@ -185,11 +184,11 @@ def plan_of(
     signed: tuple[Sig | None, ...] = tuple(
         (*_BASE(x), next(each)) if isinstance(x, torch.Tensor) else None for x in leaves
     )
-    key = (spec, signed, None if bare else tuple(slot), options, chunks, caller)
+    key = (spec, signed, None if bare else tuple(slot), options, world, caller)
     plan = _PLANS.get(key)
     if plan is None:
         described = Tree(paths_of(spec), signed, None if bare else slot)
-        layout = build(described, options, chunks, caller, comm_device(group))
+        layout = build(described, options, world, caller, comm_device(group), backend_of(group))
         plan = _remember(
             key, Plan(layout, spec, None, eager=True, tensors=[leaves[i] for i in layout.unique])
         )
@@ -211,10 +210,11 @@ def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
     if is_compiling():
         layout = _layout_traced(described, options, spec.group, world, caller, spec.check)
         return Plan(layout, None, None, eager=False)
-    key = ("rule", spec.paths, sigs, whole, options, options.collective.chunks(world), caller, spec.pooled)
+    key = ("rule", spec.paths, sigs, whole, options, world, caller, spec.pooled)
     plan = _PLANS.get(key)
     if plan is None:
-        layout = build(described, options, world, caller, comm_device(spec.group))
+        group = spec.group
+        layout = build(described, options, world, caller, comm_device(group), backend_of(group))
         made = Plan(layout, None, None, eager=True, tensors=tensors, pooled=spec.pooled)
         plan = _remember(key, made)
     return plan
@@ -326,7 +326,8 @@ def _layout_now(
     layout = _LAYOUTS.get(key)
     if layout is None:
         try:
-            layout = build(tree, options, world, caller, comm_device(resolve_group(group_name)))
+            pg = resolve_group(group_name)
+            layout = build(tree, options, world, caller, comm_device(pg), backend_of(pg))
         except TypeError as err:
             return Refused("type", str(err))
         if layout.sparse:

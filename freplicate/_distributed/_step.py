@@ -573,13 +573,21 @@ def _gradient_like(leaves: list[Any], sparse: dict[int, int]) -> list[Any]:
 
 
 def _ruled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Whether a step on these arguments goes through the collectives' rules (``_rules``)."""
-    tensors: list[torch.Tensor] = []
+    """Whether a step on these arguments goes through the collectives' rules (``_rules``).
+
+    ``needs_rules`` on every tensor of the arguments, without building their
+    list where they need not be read (no transform, grad mode off), and at C
+    speed for a plain dict of tensors.
+    """
+    if is_compiling() or transform_level() is not None or not torch.is_grad_enabled():
+        return needs_rules((), _CALLER)
     for tree in (*args, *kwargs.values()):
         values = tensor_values(tree)
-        leaves = values if values is not None else flatten_in_order(tree)[0]
-        tensors += (t for t in leaves if isinstance(t, torch.Tensor))
-    return needs_rules(tensors, _CALLER)
+        if values is None:
+            values = [t for t in flatten_in_order(tree)[0] if isinstance(t, torch.Tensor)]
+        if needs_rules(values, _CALLER):
+            return True
+    return needs_rules((), _CALLER)
 
 
 def _overlaps(plan: Plan) -> bool:

@@ -63,6 +63,7 @@ __all__ = [
     "Signature",
     "Sizes",
     "Spec",
+    "aligned",
     "order_of",
     "real_view",
     "replaced",
@@ -115,8 +116,9 @@ class Bucket(NamedTuple):
     extra: int  # flag words at the end of each chunk
     chunk: int  # elements of one chunk: its runs, then the flag words
     chunks: int  # chunks in the full buffer: 1 for a reduction, W for scatter and gather
-    widths: tuple[int, ...]  # a chunk cut in its runs, then the words (``split_with_sizes``)
+    widths: tuple[int, ...]  # a chunk cut in its runs, a padding, the words (``split_with_sizes``)
     gathered: tuple[Run, ...] = ()  # an all-gather's runs as its results hold them (whole)
+    ranks: int = 1  # the ranks whose rows the tensors are cut into (the group's size)
 
     @property
     def data(self) -> int:
@@ -219,6 +221,11 @@ def real_view(t: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(t).view(-1) if t.is_complex() else t
 
 
+def aligned(size: int, dtype: torch.dtype, comm: torch.dtype) -> int:
+    """``size`` elements rounded up so that what follows starts aligned in both dtypes."""
+    return _slot(size, dtype, comm)
+
+
 def _slot(size: int, dtype: torch.dtype, comm: torch.dtype) -> int:
     """``size`` rounded up so that the next place starts aligned in both dtypes."""
     step = ALIGN // min(dtype.itemsize, comm.itemsize)
@@ -292,6 +299,7 @@ class Kind:
     takes_sparse = True  # sparse COO tensors travel (reduced one by one, after the buckets)
     gathers = False  # the inputs are shards: a tensor held whole stays out of the buckets
     divides = True  # a mean multiplies by 1 / W as it packs (an all-gather's op is its transpose's)
+    needs_rank = False  # its copy-in or copy-out reads this rank's place
 
     def __repr__(self) -> str:
         return self.name
@@ -302,6 +310,12 @@ class Kind:
     def sends(self, options: Any) -> bool:
         """Whether this rank sends its tensors (a broadcast: its source only)."""
         return True
+
+    def on(self, backend: str, nbytes: int) -> Kind:
+        """The kind whose wire format carries this one on ``backend`` for a call of ``nbytes``:
+        itself, or (chosen at the leaf, by measurement: docs/sharding.md) another that gives
+        the same values faster or in less memory there."""
+        return self
 
     # --- format --------------------------------------------------------------------------
 
@@ -337,8 +351,12 @@ class Kind:
         """The runs as the results' own buffer holds them, where it differs from a chunk's."""
         return ()
 
-    def sizes(self, bucket: Bucket) -> Sizes:
-        """The bucket's buffers (a reduction: in place, results viewing it where dtypes agree)."""
+    def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
+        """The bucket's buffers (a reduction: in place, results viewing it where dtypes agree).
+
+        ``lean``: buffers not kept between calls (ZeRO-3's units), where results
+        that view a buffer larger than themselves would hold all of it.
+        """
         same = bucket.comm == bucket.dtype
         return Sizes(bucket.chunk, 3 if same else 1, None, 1, None if same else bucket.data)
 
@@ -427,7 +445,9 @@ class Kind:
                 out += cells.unbind(0)
         return out
 
-    def land(self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    def land(
+        self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
+    ) -> torch.Tensor:
         """Copy the landed values into ``res`` (``None``: they stay); the buffer results view."""
         if res is None:
             return landed
@@ -507,6 +527,7 @@ class _Rowed(Kind):
     """The kinds whose chunks are rows: W rank-major chunks, a tensor held whole in each."""
 
     takes_sparse = False
+    needs_rank = True
 
     def chunks(self, world: int) -> int:
         return world
@@ -550,7 +571,13 @@ class ReduceScatter(_Rowed):
 
     name = "reduce_scatter"
 
-    def sizes(self, bucket: Bucket) -> Sizes:
+    def on(self, backend: str, nbytes: int) -> Kind:
+        """On gloo, an all-reduce of the whole buffer in place (``ReduceScatterBySum``): gloo's
+        own reduce-scatter clones its input, all-reduces it and copies a chunk out (0.9-2.8x
+        an all-reduce of the bytes, measured: docs/sharding.md)."""
+        return REDUCE_SCATTER_BY_SUM if backend == "gloo" else self
+
+    def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
         same = bucket.comm == bucket.dtype
         res = None if same else bucket.data
         return Sizes(bucket.chunk * bucket.chunks, 1, bucket.chunk, 3 if same else 1, res)
@@ -585,6 +612,9 @@ class ReduceScatter(_Rowed):
                 .to(comm)
                 for run, part in zip(bucket.runs, parts)
             ]
+        pad = bucket.widths[-2]
+        if parts is not None and pad:
+            cols.append(torch.zeros((w, pad), dtype=comm, device=bucket.device))
         if words is not None:
             cols.append(words.to(comm).unsqueeze(0).expand(w, -1))
         return torch.cat(cols, dim=1).reshape(-1)
@@ -649,6 +679,13 @@ class AllGather(_Rowed):
     gathers = True
     divides = False
 
+    def on(self, backend: str, nbytes: int) -> Kind:
+        """On gloo, from 4 MiB, an all-reduce of the whole tensors in place, each rank's rows
+        and the neutral element elsewhere (``AllGatherBySum``): the results land where they
+        live, with no landing buffer, copy-out or gloo's own temporary (a full copy); below,
+        gloo's all-gather, 0.5-0.9x an all-reduce of the bytes (docs/sharding.md)."""
+        return ALL_GATHER_BY_SUM if backend == "gloo" and nbytes >= _BY_SUM_BYTES else self
+
     def gathered(self, runs: Sequence[Run], world: int, dtype: torch.dtype) -> tuple[Run, ...]:
         """Every tensor whole, tensor-major: each one's rows of every rank side by side."""
         out, start = [], 0
@@ -659,7 +696,7 @@ class AllGather(_Rowed):
             start += full.width
         return tuple(out)
 
-    def sizes(self, bucket: Bucket) -> Sizes:
+    def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
         w = bucket.chunks
         res = sum(run.width for run in bucket.gathered)
         return Sizes(bucket.chunk, 1, bucket.chunk * w, 1, res)
@@ -685,14 +722,15 @@ class AllGather(_Rowed):
         else:
             pieces = []
             for run, part in zip(bucket.runs, parts):
-                stacked = _stacked(part, run)
-                if send.scale is not None:  # a mean's transpose: the functional one sums
-                    stacked = torch.ops.freplicate.grad_scaled(stacked, send.scale)
+                stacked = _stacked_scaled(part, run, send)
                 short = run.rows - stacked.shape[1]
                 if short:
                     stacked = F.pad(stacked, [0, 0] * (len(run.shape) - 1) + [0, short])
                 flat = _slotted(_physical_flat(stacked, run, 1), run)
                 pieces.append(flat.reshape(-1).to(comm))
+        pad = bucket.widths[-2]
+        if parts is not None and pad:
+            pieces.append(torch.zeros(pad, dtype=comm, device=bucket.device))
         if words is not None:
             pieces.append(words.to(comm))
         return torch.cat(pieces)
@@ -707,7 +745,9 @@ class AllGather(_Rowed):
             out += _cells(buf[full.start : full.start + full.width], full)[:, : full.shape[0]].unbind(0)
         return out
 
-    def land(self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None) -> torch.Tensor:
+    def land(
+        self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
+    ) -> torch.Tensor:
         """The rank-major chunks copied tensor-major into ``res`` (one strided copy a run)."""
         assert res is not None
         w = bucket.chunks
@@ -768,6 +808,14 @@ def _rank_major(stacked: torch.Tensor, run: Run, w: int) -> torch.Tensor:
     return padded.view(run.n, w, *run.cell).transpose(0, 1)
 
 
+def _stacked_scaled(part: Part, run: Run, send: Any) -> torch.Tensor:
+    """A run's tensors stacked; a mean's transpose scaled as it goes (the functional one sums)."""
+    stacked = _stacked(part, run)
+    if send.scale is None:
+        return stacked
+    return torch.ops.freplicate.grad_scaled(stacked, send.scale)  # type: ignore[no-any-return]
+
+
 def _chunk_cat(tensors: list[torch.Tensor], w: int, region: torch.Tensor) -> None:
     if is_compiling() and not region.is_contiguous():
         # Dynamo takes no out= that is not contiguous (a run beside others, or the
@@ -779,11 +827,123 @@ def _chunk_cat(tensors: list[torch.Tensor], w: int, region: torch.Tensor) -> Non
         chunk_cat(tensors, w, region)
 
 
+# --- wire formats of the rowed kinds over an all-reduce (gloo) --------------------------------
+
+_BY_SUM_BYTES = 4 * 2**20
+
+
+def _rows_of(run: Run, ranks: int, rank: int) -> tuple[int, int]:
+    """Where this rank's rows of the run's tensors start, and how many it holds."""
+    c = -(-run.shape[0] // ranks)
+    return rank * c, valid_rows(c, run.shape[0], rank)
+
+
+class ReduceScatterBySum(ReduceScatter):
+    """``reduce_scatter`` as one all-reduce of its whole buffer, in place: each rank views its chunk.
+
+    ``ReduceScatter``'s format (rank-major chunks of rows, each aligned, the
+    words in every chunk, the mean's scale as it packs), carried by an
+    all-reduce of the whole buffer instead of a reduce-scatter: every chunk
+    comes back summed, and this rank's results are views of its own. Traced,
+    the all-reduce's own autograd and the view make its transpose, every
+    rank's chunk gathered.
+    """
+
+    name = "reduce_scatter/sum"
+
+    def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
+        """In place; the results view this rank's chunk of the buffer where dtypes agree, or
+        (``lean``, several chunks) a copy of it: they do not hold the other ranks' chunks."""
+        same = bucket.comm == bucket.dtype and not (lean and bucket.chunks > 1)
+        res = None if same else bucket.data
+        return Sizes(bucket.chunk * bucket.chunks, 3 if same else 1, None, 1, res)
+
+    def words_of(self, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
+        return landed[bucket.chunk - bucket.extra : bucket.chunk]  # chunk 0's: every chunk's
+
+    def views(self, bucket: Bucket, buf: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        if buf.numel() == bucket.chunk * bucket.chunks:  # the landed buffer: this rank's chunk
+            buf = buf[rank * bucket.chunk : (rank + 1) * bucket.chunk]
+        return super().views(bucket, buf, rank)
+
+    def land(
+        self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
+    ) -> torch.Tensor:
+        """This rank's chunk (a view of the landed buffer), or its data copied into ``res``."""
+        mine = landed.view(bucket.chunks, bucket.chunk)[rank]
+        if res is None:
+            return mine
+        res.copy_(mine[: bucket.data])
+        return res
+
+    start = Kind.start
+    start_traced = Kind.start_traced
+
+
+class AllGatherBySum(Kind):
+    """``all_gather`` as one all-reduce of whole tensors, in place: each rank fills its rows.
+
+    Every rank writes its rows of each tensor where they belong and the
+    sum's neutral element everywhere else (-0.0, which leaves every value as
+    it is, bit for bit), and the all-reduce of that buffer is the gathered
+    tensors, tensor-major: the results are views of it, where they live. A
+    tensor held whole stays out of the buffer, as in ``AllGather``.
+    """
+
+    name = "all_gather/sum"
+    takes_sparse = False
+    gathers = True
+    divides = False
+    needs_rank = True
+
+    def pack(
+        self, bucket: Bucket, send: torch.Tensor, parts: Sequence[Part], rank: int, scale: Any
+    ) -> None:
+        with torch.no_grad():
+            for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
+                cells = _cells(region, run)
+                start, valid = _rows_of(run, bucket.ranks, rank)
+                neutral = _neutral(send.dtype)
+                cells[:, :start].fill_(neutral)
+                cells[:, start + valid :].fill_(neutral)
+                cells[:, start : start + valid].copy_(_stacked(part, run))
+
+    def joined(
+        self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
+    ) -> torch.Tensor:
+        comm = bucket.comm
+        if parts is None:
+            pieces = [torch.full((bucket.data,), _neutral(comm), dtype=comm, device=bucket.device)]
+        else:
+            pieces = []
+            for run, part in zip(bucket.runs, parts):
+                stacked = _stacked_scaled(part, run, send)
+                start, valid = _rows_of(run, bucket.ranks, rank)
+                pad = [0, 0] * (len(run.shape) - 1) + [start, run.shape[0] - start - valid]
+                full = F.pad(stacked, pad, value=_neutral(stacked.dtype))
+                pieces.append(_slotted(_physical_flat(full, run, 1), run).reshape(-1).to(comm))
+        if words is not None:
+            pieces.append(words.to(comm))
+        return torch.cat(pieces)
+
+
 ALL_REDUCE = Kind()
 BROADCAST = Broadcast()
 REDUCE_SCATTER = ReduceScatter()
 ALL_GATHER = AllGather()
-KINDS: dict[str, Kind] = {k.name: k for k in (ALL_REDUCE, BROADCAST, REDUCE_SCATTER, ALL_GATHER)}
+REDUCE_SCATTER_BY_SUM = ReduceScatterBySum()
+ALL_GATHER_BY_SUM = AllGatherBySum()
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        ALL_REDUCE,
+        BROADCAST,
+        REDUCE_SCATTER,
+        ALL_GATHER,
+        REDUCE_SCATTER_BY_SUM,
+        ALL_GATHER_BY_SUM,
+    )
+}
 
 
 def _kind_named(name: str) -> Kind:
