@@ -15,6 +15,7 @@ Dynamo's helpers are looked up on first use, while ``torch.compile`` traces.
 
 from __future__ import annotations
 
+import operator
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "any_requires_grad",
     "COMPILED_CALL",
     "FAST_PATHS",
     "assume_constant_result",
@@ -123,6 +125,21 @@ def storage_use_count(t: torch.Tensor) -> int | None:
 
 
 # --- the foreach kernels (one fused pass over a list of tensors) ---
+_any_requires_grad = getattr(torch._C, "_any_requires_grad", None)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def any_requires_grad(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether any of ``tensors`` requires grad (in C where torch has it: a collective's check).
+
+    >>> any_requires_grad([torch.zeros(1), torch.zeros(1, requires_grad=True)])
+    True
+    """
+    if _any_requires_grad is not None and type(tensors) is list:
+        return bool(_any_requires_grad(tensors))
+    return any(map(_REQUIRES_GRAD, tensors))
+
+
 _foreach_add = getattr(torch, "_foreach_add", None)
 _foreach_add_ = getattr(torch, "_foreach_add_", None)
 _foreach_mul = getattr(torch, "_foreach_mul", None)

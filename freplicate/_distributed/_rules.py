@@ -36,14 +36,13 @@ whose loss does not reach a collective's results never runs its transpose.
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._torch import is_compiling, transform_level
+from .._torch import any_requires_grad, is_compiling, transform_level
 from ._call import Announced, Call, Request, send_of
 from ._group import forward_ad_level, refuse_traced_transforms
 from ._plans import plan_for
@@ -51,7 +50,6 @@ from ._wire import KINDS, Spec, order_of, replaced
 
 __all__ = ["Pending", "Primitive", "apply", "as_rule", "held", "needs_rules", "plain"]
 
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def apply(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -75,7 +73,7 @@ def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
         return False
     if transform_level() is not None or forward_ad_level():
         return True
-    return torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, tensors))
+    return torch.is_grad_enabled() and any_requires_grad(tensors)
 
 
 def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
