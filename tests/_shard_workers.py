@@ -308,6 +308,47 @@ def collectives(tree: Any, ints: Any) -> dict[str, Any]:
 
 
 @scenario
+def large_all_gather(rank: int) -> dict[str, Any]:
+    """An all-gather of 4 MiB and more, which gloo carries as an all-reduce of the rows with
+    -0.0 elsewhere (``_wire.AllGatherBySum``): the full tensors bit for bit (-0.0 kept), eager
+    and compiled, the inputs untouched, and its transpose (a sum's: every rank's cotangent rows
+    summed) under autograd, eager and with the forward compiled."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(11)
+    full = {
+        "w": torch.randn(1027, 1024, generator=g),  # 4.01 MiB; rows divide by neither 2 nor 3
+        "z": torch.tensor([-0.0, 0.0, -1.5, 2.0, -0.0]),
+    }
+    cot = {k: torch.randn(v.shape, generator=g) for k, v in full.items()}
+    mine = {k: v.clone() for k, v in fr.distributed.shard(full).items()}
+    snap = snapshot(mine)
+    gather = lambda m: fr.distributed.all_gather(m, full)  # noqa: E731
+    compiled = torch.compile(gather, backend="eager", fullgraph=True)
+
+    def transpose(fn: Callable[[Any], Any]) -> dict[str, torch.Tensor]:
+        m = {k: v.clone().requires_grad_() for k, v in mine.items()}
+        out = fn(m)
+        loss = sum((out[k] * cot[k]).sum() for k in out)
+        return dict(zip(m, torch.autograd.grad(loss, list(m.values()))))
+
+    rows = fr.distributed.shard(cot)
+    eager = gather(mine)
+    from freplicate._distributed import _plans
+
+    return {
+        "eager": eager,
+        "wires": sorted({plan.layout.wire for plan in _plans._PLANS.values()}),
+        "compiled": compiled(mine),
+        "full": full,
+        "signs": [torch.signbit(gather(mine)["z"]), torch.signbit(full["z"])],
+        "unchanged": unchanged(mine, snap),
+        "grad": transpose(gather),
+        "grad_compiled": transpose(compiled),
+        "expected_grad": {k: world * v for k, v in rows.items()},
+    }
+
+
+@scenario
 def primitives_compiled(rank: int) -> dict[str, Any]:
     """The primitives traced whole (``fullgraph=True``: no break) and run, beside the eager calls."""
     torch._dynamo.reset()

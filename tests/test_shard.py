@@ -42,6 +42,7 @@ ok = w.ok
 
 SCENARIOS = [
     "primitives",
+    "large_all_gather",
     "mismatches",
     "no_warnings",
     "primitives_compiled",
@@ -58,7 +59,7 @@ SCENARIOS = [
     "compiled_new_shapes",
     "zero2_methods_compiled",
 ]
-THREE = ["primitives", "mismatches", "zero2_grads", "clip_against_torch", "adamw_loops"]
+THREE = ["primitives", "large_all_gather", "mismatches", "zero2_grads", "clip_against_torch", "adamw_loops"]
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +197,20 @@ def test_mismatches_raise_value_error_on_every_rank(which, request):
 
 def test_the_eager_collectives_warn_of_nothing(job):
     assert ok(job, "no_warnings") == [[], []]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_large_all_gather_over_an_all_reduce_is_exact(job, job3, world):
+    # 4 MiB and more on gloo: an all-reduce of each rank's rows and -0.0 elsewhere
+    for r in ok(job if world == 2 else job3, "large_all_gather"):
+        assert "all_gather/sum" in r["wires"]  # the call took that wire
+        bitwise(r["eager"], r["full"])
+        bitwise(r["compiled"], r["full"])
+        assert torch.equal(*r["signs"])  # -0.0 stays -0.0
+        assert r["unchanged"]
+        # every rank's cotangent is the same: each rank's rows summed over the ranks
+        bitwise(r["grad"], r["expected_grad"])
+        bitwise(r["grad_compiled"], r["expected_grad"])
 
 
 def test_primitives_compiled_equal_eager(job):

@@ -222,11 +222,6 @@ def real_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def aligned(size: int, dtype: torch.dtype, comm: torch.dtype) -> int:
-    """``size`` elements rounded up so that what follows starts aligned in both dtypes."""
-    return _slot(size, dtype, comm)
-
-
-def _slot(size: int, dtype: torch.dtype, comm: torch.dtype) -> int:
     """``size`` rounded up so that the next place starts aligned in both dtypes."""
     step = ALIGN // min(dtype.itemsize, comm.itemsize)
     return -(-size // step) * step
@@ -345,7 +340,7 @@ class Kind:
         tensors' and the one they travel in, which both align)."""
         cell = self.cell(shape, whole, world)
         size = math.prod(cell)
-        return Run(shape, order, whole, n, cell, size, _slot(size, *dtypes), start)
+        return Run(shape, order, whole, n, cell, size, aligned(size, *dtypes), start)
 
     def gathered(self, runs: Sequence[Run], world: int, dtype: torch.dtype) -> tuple[Run, ...]:
         """The runs as the results' own buffer holds them, where it differs from a chunk's."""
@@ -693,7 +688,7 @@ class AllGather(_Rowed):
         out, start = [], 0
         for run in runs:
             size = world * run.size
-            full = Run(run.shape, run.order, run.whole, run.n, (world * run.rows, *run.cell[1:]), size, _slot(size, dtype, dtype), start)
+            full = Run(run.shape, run.order, run.whole, run.n, (world * run.rows, *run.cell[1:]), size, aligned(size, dtype, dtype), start)
             out.append(full)
             start += full.width
         return tuple(out)
