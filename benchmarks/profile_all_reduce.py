@@ -37,12 +37,20 @@ class _Done(dist.Work):
 
 
 class NoOpGroup(dist.ProcessGroup):
-    """A process group whose collectives move nothing: each rank keeps its own values."""
+    """A process group whose collectives move nothing: each rank keeps its own values.
+
+    A sum lands as every rank's equal values would (its buffer times the
+    world size, one pass): the words that end fr's buckets then land as a
+    call whose ranks agree, and its check passes.
+    """
 
     def getBackendName(self) -> str:
         return "noop"
 
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        if opts is None or opts.reduceOp == dist.ReduceOp.SUM:
+            for t in tensors:
+                t.mul_(self.size())
         return _Done()
 
     def broadcast(self, tensors: Any, opts: Any = None) -> dist.Work:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import copy
 import faulthandler
+import functools
 import io
 import os
 import queue
 import shutil
 import signal
+import sys
 import tempfile
 import time
 import traceback
@@ -54,6 +56,29 @@ def scenario(f: Callable[[int], Any]) -> Callable[[int], Any]:
     return f
 
 
+def in_debug_mode(f: Callable[[int], Any]) -> Callable[[int], Any]:
+    """``f`` with the checks' debug mode on, on every rank (``FREPLICATE_DISTRIBUTED_DEBUG``).
+
+    For scenarios in which ranks part ways after a layout's first use onto
+    buckets of other sizes: outside the debug mode gloo aborts the process
+    there (the contract says so); in it every call is checked before data moves.
+    """
+
+    @functools.wraps(f)
+    def run(rank: int) -> Any:
+        before = os.environ.get(agree.DEBUG_VARIABLE)
+        os.environ[agree.DEBUG_VARIABLE] = "DETAIL"
+        try:
+            return f(rank)
+        finally:
+            if before is None:
+                del os.environ[agree.DEBUG_VARIABLE]
+            else:
+                os.environ[agree.DEBUG_VARIABLE] = before
+
+    return run
+
+
 def _kind(err: BaseException) -> str:
     """The builtin exception type ``err`` is (fr's own errors subclass ValueError, RuntimeError)."""
     return next(c.__name__ for c in type(err).__mro__ if c.__module__ == "builtins")
@@ -83,6 +108,8 @@ def _main(
         os._exit(0)  # a rank that dies without a word, mid-job
     results: dict[str, Any] = {}
     for name in names:
+        if os.environ.get("FR_TEST_TRACE"):  # which scenario a rank that aborts was running
+            print(f"rank {rank}: {name}", file=sys.stderr, flush=True)
         try:
             results[name] = SCENARIOS[name](rank)
         except Exception as err:
@@ -358,6 +385,7 @@ def mismatch_grad(rank: int) -> Any:
 
 
 @scenario
+@in_debug_mode
 def mismatch_after_cached(rank: int) -> Any:
     """Rank 0 passes a layout both ranks reduced before, rank 1 a new one: still caught."""
     fr.distributed.all_reduce({"w": torch.ones(2)})
@@ -365,6 +393,7 @@ def mismatch_after_cached(rank: int) -> Any:
 
 
 @scenario
+@in_debug_mode
 def mismatch_grad_after_cached(rank: int) -> Any:
     loss = lambda p: p["w"].sum()  # noqa: E731
     fr.distributed.grad_and_value(loss)({"w": torch.ones(2)})
@@ -614,6 +643,7 @@ def steady_state(rank: int) -> dict[str, Any]:
 
 
 @scenario
+@in_debug_mode
 def mismatch_on_agreed(rank: int) -> list[Any]:
     """Rank 0 on the agreed layout, rank 1 on a changed one: ValueError on both, every time."""
     agreed = {"a": torch.ones(3), "b": torch.ones(2, 2)}
@@ -642,8 +672,8 @@ def mismatch_on_agreed(rank: int) -> list[Any]:
 def switching_layouts(rank: int) -> list[Any]:
     """Both ranks switch layouts together (A, A, B, A, B, B, A): every result right.
 
-    A and B are fully checked once each; later switches between the two only
-    mirror the agreed layout's first bucket.
+    A and B are probed once each, on their first use; later switches between
+    the two send their data alone.
     """
     trees = [layout(rank, name, i) for i, name in enumerate("AABABBA")]
     got, counts = counting(lambda: [fr.distributed.all_reduce(t, op="sum") for t in trees])
@@ -651,6 +681,7 @@ def switching_layouts(rank: int) -> list[Any]:
 
 
 @scenario
+@in_debug_mode
 def mismatch_second_layout(rank: int) -> list[Any]:
     """Agreed B, second A: rank 0 on A against rank 1 on a new C, then B against A."""
     a, b, c = {"a": torch.ones(6)}, {"b": torch.ones(2, 3)}, {"a": torch.ones(7)}
@@ -668,6 +699,7 @@ def mismatch_second_layout(rank: int) -> list[Any]:
 
 
 @scenario
+@in_debug_mode
 def mismatch_multi_bucket(rank: int) -> list[Any]:
     """A bucket per tensor, mismatched on the second call (in a later bucket): no abort."""
     tree = {"a": torch.ones(4), "b": torch.ones(3), "c": torch.ones(2)}
@@ -683,6 +715,7 @@ def mismatch_multi_bucket(rank: int) -> list[Any]:
 
 
 @scenario
+@in_debug_mode
 def grad_switching_and_mismatch(rank: int) -> dict[str, Any]:
     """grad_and_value switching between two parameter trees, then mismatched on each path."""
     x = torch.full((3,), float(rank + 1))
@@ -721,6 +754,7 @@ def outcome(f: Callable[[], Any]) -> tuple[Any, ...]:
 
 
 @scenario
+@in_debug_mode
 def different_functions(rank: int) -> dict[str, Any]:
     """After the layout is agreed, rank 0 calls all_reduce and rank 1 broadcast (and others)."""
     tree = {"a": torch.ones(3), "b": torch.ones(2, 2)}
@@ -749,6 +783,7 @@ class Net2(nn.Module):
 
 
 @scenario
+@in_debug_mode
 def skipped_step(rank: int) -> dict[str, Any]:
     """A DDP-style loop (sync buffers, then the gradient); rank 1's loss raises at step 3 and it
     skips to the next step's sync_buffers: both ranks raise, neither aborts, the group goes on."""

@@ -6,8 +6,10 @@ ordered pair of 17 public calls on the same tree (``_identity_workers.CALLS``:
 broadcast from either rank, all_reduce with each option, reduce_scatter,
 all_gather, sync_buffers in both modes, a gradient step with ``shard=``,
 ``op=``, ``skip`` and ``accumulate``), under each situation of the
-protocol (``SITUATIONS``: the group's first call, rank 0 on the fast path,
-both calls known, neither known); trees that differ in memory format, dtype
+protocol (``SITUATIONS``: the group's first call, in the default mode; then,
+in the checks' debug mode, where ranks that part ways after a layout's first
+use must be checked before the data moves: rank 0's call warm, both calls
+known, neither known); trees that differ in memory format, dtype
 or ties only; the same pairs through the collectives' rules (inputs that
 require grad, the backward's transposed collectives) and compiled; one rank
 differentiating through a collective while the other goes on; and the

@@ -21,13 +21,23 @@ CPU = torch.device("cpu")
 
 
 def layout_of(
-    shapes, dtypes=None, *, cap=25.0, kind="all_reduce", world=1, op="sum", orders=None, backend="nccl"
+    shapes,
+    dtypes=None,
+    *,
+    cap=25.0,
+    kind="all_reduce",
+    world=1,
+    op="sum",
+    orders=None,
+    backend="nccl",
+    overlap=True,
 ):
     dtypes = dtypes or [torch.float32] * len(shapes)
     orders = orders or [None] * len(shapes)
     sigs = [(tuple(s), d, CPU, torch.strided, o) for s, d, o in zip(shapes, dtypes, orders)]
     paths = [f"['{i}']" for i in range(len(shapes))]
-    return build(Tree(paths, sigs), Options(kind, op, cap, None), world, "fr.test", CPU, backend)
+    options = Options(kind, op, cap, None, overlap=overlap)
+    return build(Tree(paths, sigs), options, world, "fr.test", CPU, backend)
 
 
 def ddp_buckets(shapes, dtypes, cap_mb):
@@ -52,6 +62,15 @@ def test_buckets_are_ddps(seed):
     layout = layout_of(shapes, dtypes, cap=cap)
     ours = sorted(sorted(b.members) for b in layout.buckets)
     assert ours == ddp_buckets(shapes, dtypes, cap), (shapes, cap)
+
+
+def test_a_ready_tree_is_cut_at_the_cap_alone():
+    """Outside a backward pass nothing starts early: no 1 MiB first bucket (a gradient step's)."""
+    shapes = [(256, 256)] * 6  # 256 KiB each: DDP's cut makes a 1 MiB bucket, then the rest
+    step = layout_of(shapes)
+    ready = layout_of(shapes, overlap=False)
+    assert [len(b.members) for b in step.buckets] == [4, 2]
+    assert [len(b.members) for b in ready.buckets] == [6]
 
 
 def test_the_first_bucket_carries_the_first_words_and_the_last_its_own():

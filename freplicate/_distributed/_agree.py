@@ -1,28 +1,39 @@
-"""The cross-rank agreement on a call's layout, eagerly, and the exchange that names what went wrong.
+"""The cross-rank agreement on a call's layout: checked once, before data moves; then carried.
 
 Every call checks its layout across ranks, so trees that differ, or ranks
 that call different functions, raise ``ValueError`` on every rank instead of
-hanging, aborting or reducing garbage. Each group remembers the layouts all
-its ranks ran (``KNOWN`` of them) and which one followed which; the call
-predicted next (the *expected* layout) takes the fast path, its check riding
-in the first bucket's flag words, at no collective of its own. Every other
-call first *mirrors* the expected layout's first collective (same kind,
-size, dtype and op), so that a rank on the fast path and a rank on anything
-else always meet in a collective of one shape (gloo aborts the process when
-two collectives of different sizes meet): the words then tell every rank
-what happened. A layout no rank ran before costs one more small collective,
-the *probe*, which also compares a checksum of the parameters a gradient
-step differentiates (forgetting ``fr.distributed.broadcast`` at the start).
+reducing garbage. What it costs is paid once per layout, not once per call:
+
+* **First use.** A layout no call on the group ran before is checked before
+  any data moves: one small collective, the *probe* (the fingerprint and its
+  negation, MAX-reduced, and a checksum of the parameters a gradient step
+  differentiates: forgetting ``fr.distributed.broadcast`` at the start). A
+  difference is named on every rank (``exchange``); otherwise every rank
+  remembers the layout as *known* (``KNOWN`` of them per group, the same on
+  every rank: they change only after a verdict every rank reads alike).
+* **Steady state.** A known layout's call sends nothing of its own: its
+  check rides in the flag words of its buckets (``_flags``) and is verified
+  where the results land (``_call``), without a wait between its launches or
+  a host read. A call that diverged on one rank (rank-dependent control flow)
+  raises everywhere then, at the latest; where the divergence meets buckets
+  of other sizes the backend itself fails (gloo aborts, NCCL hangs), which
+  the debug mode prevents.
+* **Debug mode** (``FREPLICATE_DISTRIBUTED_DEBUG=DETAIL`` on every rank, as
+  ``TORCH_DISTRIBUTED_DEBUG`` is for c10d): every call probes first, so any
+  divergence raises ``ValueError`` on every rank before data moves, at one
+  small collective and one host read per call.
 
 Whatever went wrong (a mismatch, a rank whose call failed) is then named in
 one exchange (``exchange``), in which every rank sends either its layout's
 description or its error: every rank raises, the same step, and the group
-stays usable. The traced path checks layouts while tracing instead
-(``_store``).
+stays usable. A rank that fails before its call has a layout meets its peers
+in the call they predictably run (``announce``). The traced path checks
+layouts while tracing instead (``_store``).
 """
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
@@ -30,21 +41,27 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from . import _flags
 from ._group import ProtocolError, collective, comm_device, group_key
-from ._layout import First, Layout, difference
+from ._layout import Layout, difference
 
 __all__ = [
+    "DEBUG_VARIABLE",
     "Mismatch",
     "OwnFailure",
     "PeerFailed",
     "agree",
     "announce",
+    "debugging",
     "exchange",
-    "record",
+    "expected",
+    "failure",
     "sparse_gradients",
 ]
 
+#: the environment variable that turns on the debug mode of the checks, on every rank
+DEBUG_VARIABLE = "FREPLICATE_DISTRIBUTED_DEBUG"
+# how many layouts each group remembers as checked by every rank (then it starts afresh)
+KNOWN = 64
 # the probe of a rank that announces a failure: no fingerprint equals it
 _FAILED_PROBE = 2**63 - 1
 
@@ -61,45 +78,51 @@ class OwnFailure(ProtocolError):
     """Raised on the failing rank once its peers know; its caller raises its own error."""
 
 
-class Agreed(NamedTuple):
-    """A layout every rank of a group is known to have run: its fingerprint, its first collective."""
+def debugging() -> bool:
+    """Whether the debug mode is on: every call checked before data moves (``DEBUG_VARIABLE``)."""
+    return os.environ.get(DEBUG_VARIABLE, "").upper() in ("DETAIL", "1", "ON", "TRUE")
 
-    fingerprint: int
-    first: First
+
+class Known(NamedTuple):
+    """A layout every rank of a group checked, and its sparse tensors' sparse dims."""
+
+    layout: Layout
+    dims: tuple[int, ...]
 
 
 class _History:
-    """What every rank of a group knows in common: the layouts run together, which followed which.
+    """What every rank of a group knows in common: the layouts checked, which followed which.
 
-    Identical on every rank: it changes only after a collective verdict
-    (``record``). ``known``: the last ``KNOWN`` layouts, most recent first;
-    ``after``: the layout that followed each of them last time; ``last``:
-    the latest; ``sparse``: the gradient layouts whose gradients came out
-    sparse, and which (a step reduces those after the backward pass).
+    ``known``: the checked layouts by fingerprint (at most ``KNOWN``);
+    ``after``: the layout that followed each last time and ``last``, the
+    latest: what a rank failing before its call predicts its peers run;
+    ``sparse``: the gradient layouts whose gradients came out sparse, and
+    which (a step reduces those after the backward pass).
     """
 
     __slots__ = ("__weakref__", "after", "known", "last", "sparse")
 
     def __init__(self) -> None:
-        self.known: list[Agreed] = []
+        self.known: dict[int, Known] = {}
         self.after: dict[int, int] = {}
         self.last: int | None = None
         self.sparse: dict[int, dict[int, int]] = {}
 
-    def expected(self) -> Agreed | None:
+    def follow(self, fingerprint: int) -> None:
+        if self.last is not None and self.after.get(self.last) != fingerprint:
+            self.after[self.last] = fingerprint
+        self.last = fingerprint
+
+    def expected(self) -> Known | None:
         """The layout predicted for the next call: what followed the latest last time, or it."""
         if self.last is None:
             return None
-        want = self.after.get(self.last, self.last)
-        for entry in self.known:
-            if entry.fingerprint == want:
-                return entry
-        return self.known[0] if self.known else None
+        return self.known.get(self.after.get(self.last, self.last))
 
 
-# Per process group, weakly keyed: a destroyed group's history goes with it. Tiny (fingerprints
-# and shapes), and never cleared by fr.clear_caches: a rank that forgot it would take another
-# path through the protocol than its peers.
+# Per process group, weakly keyed: a destroyed group's history goes with it. Tiny (layouts),
+# and never cleared by fr.clear_caches: a rank that forgot it would probe where its peers
+# do not.
 _HISTORY: weakref.WeakKeyDictionary[Any, _History] = weakref.WeakKeyDictionary()
 
 
@@ -120,19 +143,9 @@ def sparse_gradients(group: Any) -> dict[int, dict[int, int]]:
     return _history(group).sparse
 
 
-def record(layout: Layout, group: Any) -> None:
-    """Every rank ran ``layout`` together: remember it as the latest, after the one before."""
-    first = layout.first
-    history = _history(group)
-    fingerprint = layout.fingerprint
-    if history.last is not None:
-        history.after[history.last] = fingerprint
-    history.last = fingerprint
-    known = [Agreed(fingerprint, first)]
-    known += [e for e in history.known if e.fingerprint != fingerprint][: _flags.KNOWN - 1]
-    history.known = known
-    kept = {e.fingerprint for e in known}
-    history.after = {k: v for k, v in history.after.items() if k in kept}
+def expected(group: Any) -> Known | None:
+    """The layout a rank's peers predictably run next (``announce``), if any."""
+    return _history(group).expected()
 
 
 def agree(
@@ -141,40 +154,26 @@ def agree(
     world: int,
     caller: str,
     checksums: Callable[[], list[int]] | None = None,
-) -> bool:
-    """The cross-rank layout check before a call's first bucket; ``True``: the fast path.
+    dims: Sequence[int] = (),
+) -> None:
+    """The cross-rank check of a call's layout before its first bucket (see the module's text).
 
-    On the fast path (``layout`` is the expected one) nothing is sent here:
-    the first bucket carries ``[off 0, on 1, ...]`` and the call reads them
-    back before its second bucket starts (or before returning), then
-    ``record``s itself. Any other call mirrors the expected layout's first
-    collective with ``[off 1, on 0, ...]`` and, per known layout, 0 if it
-    runs that one, else 1; every rank reads the same sums. *on* set: some
-    rank is on the fast path, so every rank names the difference together.
-    Else a known layout's word still 0: every rank runs that one, done.
-    Else the probe (``checksums``: of the differentiated parameters, compared too).
+    Probes on a layout's first use on ``group``, on every call in the debug
+    mode, and on every call whose words cannot carry the check (a sum of
+    byte-sized integers that could wrap round); otherwise sends nothing.
+    ``checksums``: of the differentiated parameters, compared at the first probe;
+    ``dims``: the layout's sparse tensors' sparse dims (what ``announce``
+    sends in their place).
     """
     history = _history(group)
-    expected = history.expected()
-    speculates = layout.speculates(world)
-    if expected is not None:
-        if speculates and expected.fingerprint == layout.fingerprint:
-            return True
-        on_known = -1
-        if speculates:
-            for j, entry in enumerate(history.known):
-                if entry.fingerprint == layout.fingerprint:
-                    on_known = j
-        words = _mirror(expected.first, on_known=on_known, failed=False, group=group, caller=caller)
-        if words[_flags.ON] or words[_flags.FAILED]:
-            exchange(layout, group, caller)  # someone ran the expected layout, or failed
-        if on_known >= 0 and words[_flags.KNOWN_AT + on_known] == 0:  # everyone runs it
-            record(layout, group)
-            return False
-    _probe(layout, group, caller, checksums)
-    if speculates:
-        record(layout, group)
-    return False
+    fingerprint = layout.fingerprint
+    first = fingerprint not in history.known
+    if first or not layout.carries_check(world) or debugging():
+        _probe(layout, group, caller, checksums if first else None)
+        if len(history.known) >= KNOWN:
+            history.known.clear()  # every rank alike: they made the same calls
+        history.known[fingerprint] = Known(layout, tuple(dims))
+    history.follow(fingerprint)
 
 
 def _probe(
@@ -213,22 +212,32 @@ def _different_values(layout: Layout, group: Any, caller: str, sums: Sequence[in
     raise Mismatch(f"{caller}: the parameters differ across ranks")  # pragma: no cover
 
 
-def announce(group: Any, world: int, caller: str, error: BaseException) -> NoReturn:
-    """A rank that failed before its call's agreement joins its peers' first collective, and raises.
+def announce(
+    group: Any,
+    world: int,
+    caller: str,
+    error: BaseException,
+    drain: Callable[[Known, BaseException], None],
+) -> NoReturn:
+    """A rank that failed before its call had a layout joins its peers' call, and raises.
 
-    It meets the others' first collective, whatever its peers run: a mirror
-    of the expected layout with *failed* set, or, on a group with no history
-    yet, a probe that matches no fingerprint. Raises ``OwnFailure`` here, a
-    ``PeerFailed`` naming this rank on the others.
+    Its peers run the predicted layout (``expected``), known and unprobed
+    outside the debug mode: this rank sends that call's every bucket with
+    nothing of its own and *failed* set (``drain``), and every rank reads it
+    where the results land. Otherwise (no prediction, or the debug mode)
+    the peers probe first: this rank's probe matches no fingerprint. Raises
+    ``OwnFailure`` here, a ``PeerFailed`` naming this rank on the others. A
+    prediction that misses meets another collective (as any divergence
+    outside the debug mode).
     """
-    expected = _history(group).expected()
-    if expected is None:
+    known = _history(group).expected()
+    if known is None or debugging() or not known.layout.carries_check(world):
         t = torch.tensor([_FAILED_PROBE] * 4, device=comm_device(group))
         with collective(caller):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    else:
-        _mirror(expected.first, on_known=-1, failed=True, group=group, caller=caller)
-    failure(group, caller, error)
+        failure(group, caller, error)
+    drain(known, error)
+    raise AssertionError("a drained failure without OwnFailure")  # pragma: no cover
 
 
 class _Failed(NamedTuple):
@@ -279,25 +288,3 @@ def _everyone(mine: Any, group: Any, caller: str) -> list[Any]:
             "the other ranks'"
         )
     return everyone
-
-
-def _mirror(first: First, *, on_known: int, failed: bool, group: Any, caller: str) -> list[float]:
-    """Run the expected layout's first collective with zeros and off-path words; their sums."""
-    kind, bucket = first
-    words = [0.0] * _flags.FIRST
-    words[_flags.OFF] = 1.0
-    words[_flags.FAILED] = 1.0 if failed else 0.0
-    words[_flags.KNOWN_AT : _flags.KNOWN_AT + _flags.KNOWN] = [1.0] * _flags.KNOWN
-    if on_known >= 0:
-        words[_flags.KNOWN_AT + on_known] = 0.0
-    sizes = kind.sizes(bucket)
-    send = torch.zeros(sizes.send, dtype=bucket.comm, device=bucket.device)
-    kind.put_words(bucket, send, torch.tensor(words, dtype=bucket.comm, device=bucket.device))
-    recv = None
-    if sizes.recv is not None:
-        recv = torch.empty(sizes.recv, dtype=bucket.comm, device=bucket.device)
-    work = kind.start(send, recv, bucket.maximum, group, caller)
-    with collective(caller):
-        work.wait()
-    landed = kind.words_of(bucket, send if recv is None else recv)
-    return (landed.real if landed.is_complex() else landed).tolist()  # type: ignore[no-any-return]

@@ -2,10 +2,12 @@
 
 Every collective of fr.distributed is a ``Call`` made from an immutable
 ``Request`` (the plan of its layout, the group, who calls, whether to check):
-it agrees on the layout (eagerly, ``_agree``; while tracing the plan was
-checked already), launches the buckets in order, every rank alike (a
-gradient step from backward hooks as buckets fill, the others at once), and
-finishes: waits, reads the last bucket's words, hands out the results as
+it agrees on the layout (eagerly, ``_agree``: a probe on the layout's first
+use only; while tracing the plan was checked already), launches the buckets
+in order, every rank alike, without waiting on any of them (a gradient step
+from backward hooks as buckets fill, the others at once), and finishes:
+waits, verifies the words every bucket's results landed with by a
+device-side assertion (no host read: ``_flags``), hands out the results as
 views. What this rank puts in the buckets is a ``Send`` given with the
 launches (its tensors or nothing, the scale of a mean, a weight, the
 micro-batches summed so far). The kind (``_wire``) packs and views the
@@ -14,7 +16,8 @@ issues none itself.
 
 The failure protocol lives here, once. A rank whose call fails after the
 agreement still launches every bucket left, with nothing of its own and
-*failed* set (``fail``): every rank reads the word at the end and raises
+*failed* set (``fail``): every rank's assertion fails where the results
+land, every rank then reads the words on the host and raises
 together (the failing rank its own error, the others one naming it), in
 the same step, and the group stays usable. A rank that must run the call
 again another way (a sparse gradient where a dense one was planned) sets
@@ -33,9 +36,9 @@ import torch
 import torch.distributed as dist
 
 from .._caches import register
-from .._torch import foreach_add
+from .._torch import assume_constant_result, foreach_add
 from . import _carry, _flags
-from ._agree import OwnFailure, agree, announce, exchange, failure, record
+from ._agree import DEBUG_VARIABLE, Known, OwnFailure, agree, announce, debugging, exchange, failure
 from ._group import ProtocolError
 from ._plans import Plan
 from ._transport import Eager, Traced
@@ -91,6 +94,8 @@ def send_of(request: Request, *, weight: Any = None, sending: bool | None = None
 
 
 _NOTHING = Send(sending=False)
+# the debug mode as a trace-time constant: a compiled call probes or not as it was traced
+_debugging_now = assume_constant_result(debugging)
 
 
 class Call:
@@ -98,7 +103,6 @@ class Call:
 
     __slots__ = (
         "error",
-        "fast",
         "joining",
         "kind",
         "launched",
@@ -125,7 +129,6 @@ class Call:
             else Traced(kind, request.group, request.world)
         )
         self.rank = dist.get_rank(request.group) if kind.needs_rank else 0
-        self.fast = False
         self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
         self.redo = False
@@ -141,21 +144,19 @@ class Call:
         return self.transport.eager
 
     def begin(self, checksums: Any = None) -> None:
-        """Agree on the layout: eagerly the fast path or a verdict now; traced, the probe that
-        the graph's first bucket waits for (``_store``)."""
+        """Agree on the layout: eagerly a probe on its first use (``_agree``); traced, the probe
+        that the graph's first bucket waits for (``_store``)."""
         r = self.request
         if not r.check:
             return
         if self.eager:
-            self.fast = agree(self.layout, r.group, r.world, r.caller, checksums)
-        else:
+            agree(self.layout, r.group, r.world, r.caller, checksums, r.plan.dims)
+        elif _debugging_now():  # the debug mode: every compiled call probes first
             device = self.layout.buckets[0].device
             self.probed = self.transport.probe(self.layout.fingerprint, device)  # type: ignore[union-attr]
 
     def launch(self, b: int, parts: Sequence[Part] | None, send: Send) -> None:
         """Bucket ``b`` (the next one), from ``parts`` (one per run) as ``send`` says."""
-        if b == 1 and self.fast:
-            self._confirm()  # no second bucket before every rank is known to run this layout
         if b == 0:
             self.sent = send
         bucket = self.layout.buckets[b]
@@ -204,7 +205,7 @@ class Call:
         carried = None
         if b == 0:
             joining = _carry.armed(self.request.group) if self.eager else None
-            if joining is not None and self.layout.speculates(self.request.world):
+            if joining is not None and self.layout.carries_check(self.request.world):
                 if joining.bit:
                     changed[_flags.MORE] = float(joining.bit)
                 self.joining = joining
@@ -216,8 +217,10 @@ class Call:
                     t = torch.as_tensor(weight, dtype=torch.float64, device=bucket.device)
                     self.side = self.transport.sum(t.reshape(1))
         if self.eager and not changed and carried is None:
-            return _clean_words(bucket.extra, bucket.comm, bucket.device)
-        words = _flags.clean(bucket.extra)
+            clean = _words_of(self.request)[0][b]
+            assert clean is not None  # ``_words`` is called for buckets with words only
+            return clean
+        words = _flags.sent(bucket.extra, self.layout.fingerprint)
         for i, value in changed.items():
             words[i] = value
         out = torch.tensor(words, dtype=bucket.comm, device=bucket.device)
@@ -233,8 +236,6 @@ class Call:
         Each sends a coalesced copy (scaled as the buckets are; nothing of
         this rank's where it does not send).
         """
-        if self.fast and self.launched:
-            self._confirm()  # nothing more before every rank is known to run this layout
         empty = not send.sending or self.error is not None or self.redo or not tensors
         if empty:
             tensors = self.request.plan.empty_sparse()
@@ -278,22 +279,13 @@ class Call:
         self.finish()
         raise AssertionError("a retry without Redo")  # pragma: no cover - finish raised
 
-    def _confirm(self) -> None:
-        """The fast path's check: the first bucket's words, back before anything else starts."""
-        r = self.request
-        self.fast = False
-        landed = self.transport.wait(self.pending[0])
-        words = self.transport.read(self.kind.words_of(self.layout.buckets[0], landed))
-        assert words is not None
-        if words[_flags.OFF] or words[_flags.FAILED]:
-            exchange(self.layout, r.group, r.caller, self.error)
-        record(self.layout, r.group)
-
     def finish(self, local: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         """The results, one per tensor of the layout (``local``: those that stay as given).
 
-        Every rank reads the last bucket's words: *failed* set, every rank
-        raises (``failure``); *retry* set, every rank raises ``Redo``.
+        Every rank verifies the words its buckets landed with (``_verdict``):
+        *failed* set, every rank raises (``failure``); *retry* set, every rank
+        raises ``Redo``; another layout on some rank, every rank raises
+        ``Mismatch`` naming the difference.
         """
         t, kind = self.transport, self.kind
         buckets = self.layout.buckets
@@ -307,14 +299,14 @@ class Call:
             None if w is None or not t.eager else kind.views(bucket, w, self.rank)
             for bucket, w in zip(buckets, where)
         ]
-        if self.fast:
-            self._confirm()
         landed = [t.wait(h) for h in self.pending]
         sparse = [t.wait(h) for h in self.sparse]
         if landed and t.eager:
             self._verdict(landed)
+        elif landed:
+            self._traced_verdict(landed)
         weighted = self.layout.options.weighted
-        total = self._total(landed) if weighted else None
+        total: Any = self._total(landed) if weighted else None
         out: list[torch.Tensor] = []
         for b, bucket in enumerate(buckets):
             buf = kind.land(bucket, landed[b], res[b], self.rank)
@@ -324,33 +316,76 @@ class Call:
                 buf = torch.where(total == 0, torch.zeros_like(buf), buf / total)  # type: ignore[arg-type, operator]
             got = early[b]
             out += got if got is not None else kind.views(bucket, buf, self.rank)
-        if weighted and sparse:
-            sparse = [s / total if total else s * 0 for s in sparse]
+        if weighted and sparse:  # sparse tensors are waited for one by one already (``launch_sparse``)
+            scalar = float(total)
+            sparse = [s / scalar if scalar else s * 0 for s in sparse]
         return self.request.plan.reorder(out + sparse + list(local))
 
     def _verdict(self, landed: Sequence[torch.Tensor]) -> None:
-        """The last bucket's words, read by every rank: raise together, or settle ``join``."""
+        """Every rank checks the words its buckets landed with, on the device; raise together.
+
+        The words land the same on every rank, so every rank's assertion
+        passes or fails alike: only then are they read on the host, to name
+        what went wrong (``_named``). A ``join`` loop's bit stays a tensor
+        until the loop reads it.
+        """
+        kind, buckets = self.kind, self.layout.buckets
+        wants = _words_of(self.request)[1]
+        bad: Any = None
+        for b, want in wants:
+            got = kind.words_of(buckets[b], landed[b])[-_flags.CHECK :]
+            differs = torch.ne(got, want).any()
+            bad = differs if bad is None else bad.logical_or_(differs)
+        if self.error is not None:
+            self._named(landed)
+        try:  # on a CUDA device, asynchronous: a failure surfaces at the next synchronisation
+            torch._assert_async(bad.logical_not_())
+        except RuntimeError:  # raised by the assertion alone: the words differ from clean ones
+            self._named(landed)
+        if self.joining is not None:
+            self.joining.settle(kind.words_of(buckets[0], landed[0])[_flags.MORE].clone())
+
+    def _traced_verdict(self, landed: Sequence[torch.Tensor]) -> None:
+        """The same check in the graph: a device-side assertion on the landed words.
+
+        A compiled call cannot exchange descriptions, so the error says what
+        happened and how to have it named (the debug mode's probe, which
+        checks before the data moves).
+        """
+        layout, world, caller = self.layout, self.request.world, self.request.caller
+        bad: Any = None
+        for b, bucket in enumerate(layout.buckets):
+            if not bucket.extra:
+                continue
+            got = self.kind.words_of(bucket, landed[b])[-_flags.CHECK :]
+            want = _flags.expected(bucket.extra, layout.fingerprint, world, bucket.maximum)
+            differs = torch.ne(got, torch.tensor(want, dtype=got.dtype, device=got.device)).any()
+            bad = differs if bad is None else bad | differs
+        torch._assert_async(
+            ~bad,
+            f"{caller}: the ranks ran different calls in this compiled call (another layout or "
+            f"collective on some rank); every rank raises. Set {DEBUG_VARIABLE}=DETAIL on every "
+            "rank to check every call before its data moves, naming the difference",
+        )
+
+    def _named(self, landed: Sequence[torch.Tensor]) -> NoReturn:
+        """Raise, on every rank together, what the landed words say (read on the host)."""
         t, kind, r = self.transport, self.kind, self.request
-        buckets = self.layout.buckets
-        last = t.read(kind.words_of(buckets[-1], landed[-1]))
+        last = t.read(kind.words_of(self.layout.buckets[-1], landed[-1]))
         assert last is not None
         if last[_flags.FAILED] or self.error is not None:
             failure(r.group, r.caller, self.error)
         if last[_flags.RETRY]:
             raise Redo
-        if self.joining is not None:
-            first = t.read(kind.words_of(buckets[0], landed[0]))
-            assert first is not None
-            self.joining.settle(first[_flags.MORE] != 0)
+        exchange(self.layout, r.group, r.caller)
 
     def _total(self, landed: Sequence[torch.Tensor]) -> Any:
-        """The summed weights: read eagerly, a tensor while tracing."""
+        """The summed weights, a tensor (never read on the host)."""
         if self.side is not None:
             total = self.transport.wait(self.side)[0]
         else:
             total = self.kind.words_of(self.layout.buckets[0], landed[0])[_flags.WEIGHT]
-        total = total.real if total.is_complex() else total
-        return float(total) if self.eager else total
+        return total.real if total.is_complex() else total
 
 
 def _merged(layout: Any, b: int, parts: Sequence[Part], send: Send) -> Sequence[Part]:
@@ -370,29 +405,41 @@ def _merged(layout: Any, b: int, parts: Sequence[Part], send: Send) -> Sequence[
     return out
 
 
-_CLEAN: dict[tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
-register(_CLEAN.clear)
+_WORDS: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]]] = {}
+register(_WORDS.clear)
 
 
-def _clean_words(extra: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``_flags.clean(extra)`` as a tensor, made once per kind (only ever copied from)."""
-    key = (extra, dtype, device)
-    words = _CLEAN.get(key)
-    if words is None:
-        words = _CLEAN[key] = torch.tensor(_flags.clean(extra), dtype=dtype, device=device)
-    return words
+def _words_of(
+    request: Request,
+) -> tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]]:
+    """A layout's clean words as this rank sends them, per bucket (``None``: no words), and, per
+    bucket with words, its check as it lands: made once per layout, only ever copied from."""
+    layout = request.plan.layout
+    key = (layout.fingerprint, request.world)
+    got = _WORDS.get(key)
+    if got is None:
+        sent: list[torch.Tensor | None] = []
+        wants: list[tuple[int, torch.Tensor]] = []
+        for b, bucket in enumerate(layout.buckets):
+            if not bucket.extra:
+                sent.append(None)
+                continue
+            dtype, device = bucket.comm, bucket.device
+            words = _flags.sent(bucket.extra, layout.fingerprint)
+            sent.append(torch.tensor(words, dtype=dtype, device=device))
+            want = _flags.expected(bucket.extra, layout.fingerprint, request.world, bucket.maximum)
+            wants.append((b, torch.tensor(want, dtype=dtype, device=device)))
+        got = _WORDS[key] = (sent, wants)
+        while len(_WORDS) > 64:
+            del _WORDS[next(iter(_WORDS))]
+    return got
 
 
-def _divide(data: torch.Tensor, total: Any) -> None:
-    """A weighted mean's last step: the sums divided by the summed weights (zeros for none)."""
+def _divide(data: torch.Tensor, total: torch.Tensor) -> None:
+    """A weighted mean's last step: the sums divided by the summed weights (zeros for none),
+    on the device (nothing read on the host)."""
     with torch.no_grad():
-        if isinstance(total, float):
-            if total:
-                data.div_(total)
-            else:
-                data.zero_()
-        else:
-            data.copy_(torch.where(total == 0, torch.zeros_like(data), data / total))
+        data.copy_(torch.where(total == 0, torch.zeros_like(data), data / total))
 
 
 class Announced:
@@ -416,6 +463,12 @@ class Announced:
     def __enter__(self) -> Announced:
         return self
 
+    def _drain(self, known: Known, error: BaseException) -> None:
+        """Fail a call of ``known``'s layout: every bucket sent with nothing of this rank's."""
+        plan = Plan(known.layout, None, None, eager=True, pooled=False, dims=known.dims)
+        call = Call(Request(plan, self.group, self.world, self.caller, False))
+        call.fail(error)
+
     def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
         if err is None or isinstance(err, ProtocolError) or torch.compiler.is_compiling():
             return
@@ -423,6 +476,6 @@ class Announced:
             if self.call is not None:
                 self.call.fail(err)
             else:
-                announce(self.group, self.world, self.caller, err)
+                announce(self.group, self.world, self.caller, err, self._drain)
         except OwnFailure:
             pass

@@ -16,6 +16,8 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
+
 from ._group import group_key
 
 __all__ = ["Joining", "armed", "enter", "leave"]
@@ -25,21 +27,22 @@ class Joining:
     """One ``join`` loop's state: this rank's bit for the next step, and the group's answer.
 
     ``bit``: whether this rank has a next item (``None`` between steps);
-    ``total``: whether any rank has one, once a reduction (or ``join``'s
-    own collective) has carried the bit; ``None`` until then.
+    ``total``: how many ranks have one (a tensor, read by ``join`` alone),
+    once a reduction (or ``join``'s own collective) has carried the bit;
+    ``None`` until then.
     """
 
     __slots__ = ("__weakref__", "bit", "total")
 
     def __init__(self) -> None:
         self.bit: int | None = None
-        self.total: bool | None = None
+        self.total: torch.Tensor | None = None
 
     def arm(self, more: bool) -> None:
         self.bit = int(more)
         self.total = None
 
-    def settle(self, total: bool) -> None:
+    def settle(self, total: torch.Tensor) -> None:
         self.total = total
         self.bit = None
 

@@ -120,9 +120,10 @@ def all_reduce(
         ValueError: a bad ``op``, ``compress`` or ``bucket_cap_mb``; a
             negative or non-finite ``weight``, or one with ``op="sum"``;
             trees or options that differ across ranks (on every rank).
-        RuntimeError: under a ``torch.func`` transform; several processes
-            launched but no process group initialised; another rank's call
-            failed (naming it).
+        RuntimeError: under ``torch.compile`` inside a ``torch.func``
+            transform (eagerly the collectives compose: docs/composing.md);
+            several processes launched but no process group initialised;
+            another rank's call failed (naming it).
 
     Examples:
         >>> g = {"w": torch.ones(2, 2), "step": 3}
@@ -290,8 +291,9 @@ def broadcast(
         TypeError: ``src`` is not an int; a bad ``group``.
         ValueError: ``src`` is not a rank of ``group``; trees that differ
             across ranks (on every rank).
-        RuntimeError: under a ``torch.func`` transform; several processes
-            launched but no process group initialised.
+        RuntimeError: under ``torch.compile`` inside a ``torch.func``
+            transform (eagerly the collectives compose: docs/composing.md);
+            several processes launched but no process group initialised.
 
     Examples:
         >>> s = fr.state(nn.Linear(2, 2))

@@ -124,6 +124,6 @@ def _settle(joining: carry.Joining, group: Any, world: int, caller: str) -> bool
     if joining.total is None:  # no reduction carried it: one of its own, which carries it
         more = torch.tensor([float(joining.bit or 0)], device=comm_device(group))
         out = collect({"more": more}, Spec(_MORE, group, world, caller, True, ()))
-        joining.settle(bool(out["more"].item() > 0))
+        joining.settle(out["more"][0])
     assert joining.total is not None
-    return joining.total
+    return bool(joining.total > 0)  # the loop's one host read a step, as DDP's Join's

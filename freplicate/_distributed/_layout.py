@@ -13,8 +13,7 @@ ranks' layouts. How a bucket is laid out in its buffer is its kind's
 Buckets follow DDP's: dense tensors in the reverse of the leaves' order (the
 order gradients become ready), per (device, dtype), cut as DDP cuts them
 (a bucket closes once it reaches ``bucket_cap_mb``; at the default cap the
-first holds 1 MiB, so that it starts early and its flag words (``_flags``)
-come back soon). The kind, the options and every tensor's signature are part
+first holds 1 MiB, so that it starts early in a backward pass). The kind, the options and every tensor's signature are part
 of the fingerprint: calls that differ in any of them never meet in a
 collective as if they were one.
 """
@@ -34,7 +33,6 @@ from ._wire import KINDS, Bucket, Kind, Run, aligned
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
-    "First",
     "Layout",
     "Sig",
     "Tree",
@@ -65,13 +63,6 @@ class Tree(NamedTuple):
     whole: Sequence[bool] | None = None
 
 
-class First(NamedTuple):
-    """A layout's first collective: what a rank on another layout mirrors (``_agree``)."""
-
-    kind: Kind
-    bucket: Bucket
-
-
 class Layout(NamedTuple):
     """A tree's layout for one kind of call with given options (see the module's text)."""
 
@@ -95,12 +86,8 @@ class Layout(NamedTuple):
         """The kind that carries the call (its wire format and transport)."""
         return KINDS[self.wire]
 
-    @property
-    def first(self) -> First:
-        return First(KINDS[self.wire], self.buckets[0])
-
-    def speculates(self, world: int) -> bool:
-        """Whether calls may take the fast path, the check in the first bucket's words.
+    def carries_check(self, world: int) -> bool:
+        """Whether the check can ride in the buckets' words (``_flags``), so no probe is needed.
 
         A word sums up to the world size: it must not wrap round in a byte-sized
         integer bucket (boolean buckets reduce with MAX: no sum).
@@ -242,12 +229,15 @@ def _cuts(
 
     DDP's rule (``_compute_bucket_assignment_by_size``): per (device, dtype),
     tensors join the open bucket in ``order``, which closes once its bytes
-    reach the limit (so a bucket may pass it by its last tensor); the first
-    bucket of each kind has DDP's first limit (1 MiB at the default
-    ``bucket_cap_mb``, else the cap); closed buckets come in the order they
-    closed, then the open ones. The same number of collectives as DDP.
+    reach the limit (so a bucket may pass it by its last tensor); in a
+    gradient step (``options.overlap``) the first bucket of each kind has
+    DDP's first limit (1 MiB at the default ``bucket_cap_mb``, else the cap),
+    so that it starts early in the backward pass; closed buckets come in the
+    order they closed, then the open ones. The same number of collectives as
+    DDP; a ready tree's call, as few as the cap allows.
     """
-    first = FIRST_BUCKET_BYTES if options.bucket_cap_mb == DEFAULT_CAP_MB else options.cap_bytes
+    overlapped = options.overlap and options.bucket_cap_mb == DEFAULT_CAP_MB
+    first = FIRST_BUCKET_BYTES if overlapped else options.cap_bytes
     open_: dict[Any, tuple[list[int], int, int]] = {}  # per kind: members, bytes, closed so far
     closed: list[list[int]] = []
     for k in order:

@@ -42,6 +42,9 @@ class Options(NamedTuple):
     compress: Compress
     src: int | None = None  # broadcast's source rank (global); None for every other call
     weighted: bool = False  # a weighted mean: every rank sends a weight
+    # the buckets start during a backward pass (a gradient step's): DDP's small first bucket.
+    # A ready tree's call is cut at the cap alone (as few collectives as it allows)
+    overlap: bool = False
 
     @property
     def collective(self) -> Kind:

@@ -98,10 +98,13 @@ class Plan:
         eager: bool,
         tensors: Sequence[Any] = (),
         pooled: bool = True,
+        dims: Sequence[int] | None = None,
     ) -> None:
         self.layout = layout
         # the sparse tensors' sparse dims: what an empty one sent in their place needs
-        self.dims = [tensors[k].sparse_dim() for k in layout.sparse] if tensors else []
+        if dims is None:
+            dims = [tensors[k].sparse_dim() for k in layout.sparse] if tensors else []
+        self.dims = list(dims)
         self.spec = spec
         self.keys = keys
         self.bare = layout.slot is None  # every leaf a tensor of its own

@@ -71,7 +71,8 @@ class Step:
         if not callable(fn):
             raise TypeError(f"{_CALLER}: fn must be callable, got {type(fn).__name__}")
         kind = REDUCE_SCATTER if shard else ALL_REDUCE
-        self.options: Options = reduction(_CALLER, kind, op, bucket_cap_mb, compress)
+        options = reduction(_CALLER, kind, op, bucket_cap_mb, compress)
+        self.options: Options = options._replace(overlap=True)  # its buckets fill in a backward
         if isinstance(argnums, bool) or not isinstance(argnums, int):
             raise TypeError(f"{_CALLER}: argnums must be an int, got {argnums!r}")
         if weight is not None:
@@ -103,7 +104,8 @@ class Step:
         if world <= 1:
             return self.local(*args, **kwargs)
         if _ruled(args, kwargs):  # transformed, or a graph to keep: local, then the rules
-            with Announced(self.group, world, _CALLER):  # a failure here meets the peers' call
+            with Announced(self.group, world, _CALLER) as scope:  # a failure meets the peers' call
+                scope.call = self._agreed(args, world)
                 grads, value = self.local(*args, **kwargs)
                 w = self._weigh(args, kwargs)
             return collect(grads, self._spec(world), weight=w), value
@@ -367,6 +369,19 @@ class Step:
             return (), _ruled((tree,), {})
         args = _micro_args(self.argnums, tree, first)
         return itertools.chain((first,), batches), _ruled(args, {})
+
+    def _agreed(self, args: tuple[Any, ...], world: int) -> Call | None:
+        """Eagerly, outside transforms: the call the rules will make on the gradients, agreed
+        before ``fn`` runs, so that a failure in ``fn`` is sent in that call's own buckets (its
+        layout is the differentiated tree's: the gradients have its leaves' signatures)."""
+        n = _position(self.argnums, args)
+        if n is None or is_compiling() or transform_level() is not None:
+            return None
+        tree = args[n]
+        plan, _ = plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
+        call = Call(self._request(plan, world))
+        call.begin(self._checksums(tree))
+        return call
 
     def _request(self, plan: Plan, world: int) -> Request:
         return Request(plan, self.group, world, _CALLER, self.check)
@@ -704,8 +719,9 @@ def grad_and_value(
         ValueError: bad options (at once); a ``weight`` with ``op="sum"``;
             trees that differ across ranks, or parameters that differ on a
             layout's first call (on every rank, when ``g`` runs).
-        RuntimeError: ``g`` runs under a ``torch.func`` transform, where
-            collectives cannot run; another rank's ``fn`` raised (naming it).
+        RuntimeError: ``g`` is compiled inside a ``torch.func`` transform
+            (eagerly it composes with them: docs/composing.md); another
+            rank's ``fn`` raised (naming it).
 
     Examples:
         >>> w = {"a": torch.tensor(2.0)}
