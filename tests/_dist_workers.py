@@ -13,6 +13,7 @@ composable ``replicate``, on the same init and the same per-rank data.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import faulthandler
 import functools
@@ -56,6 +57,20 @@ def scenario(f: Callable[[int], Any]) -> Callable[[int], Any]:
     return f
 
 
+@contextlib.contextmanager
+def debug_mode() -> Any:
+    """The checks' debug mode on, on this rank, in the block (``FREPLICATE_DISTRIBUTED_DEBUG``)."""
+    before = os.environ.get(agree.DEBUG_VARIABLE)
+    os.environ[agree.DEBUG_VARIABLE] = "DETAIL"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[agree.DEBUG_VARIABLE]
+        else:
+            os.environ[agree.DEBUG_VARIABLE] = before
+
+
 def in_debug_mode(f: Callable[[int], Any]) -> Callable[[int], Any]:
     """``f`` with the checks' debug mode on, on every rank (``FREPLICATE_DISTRIBUTED_DEBUG``).
 
@@ -66,15 +81,8 @@ def in_debug_mode(f: Callable[[int], Any]) -> Callable[[int], Any]:
 
     @functools.wraps(f)
     def run(rank: int) -> Any:
-        before = os.environ.get(agree.DEBUG_VARIABLE)
-        os.environ[agree.DEBUG_VARIABLE] = "DETAIL"
-        try:
+        with debug_mode():
             return f(rank)
-        finally:
-            if before is None:
-                del os.environ[agree.DEBUG_VARIABLE]
-            else:
-                os.environ[agree.DEBUG_VARIABLE] = before
 
     return run
 

@@ -10,9 +10,9 @@ gradient; the stateful one is ``DistributedDataParallel`` +
 computed beside what the oracle computed, and the test compares them.
 
 ``Recorder`` watches ``apply_sharded`` from the outside: it replaces the
-``Pending`` (a started gather) and ``apply`` (a gather through the
-primitive) that ``freplicate._distributed._sharded`` calls with recording
-twins, and ``Probe`` modules and ``Mark`` functions inside each unit report
+``Pending`` (a started gather), ``_gather`` (a gather run at once) and
+``apply`` (the primitive: the transposes) that
+``freplicate._distributed._sharded`` calls with recording twins, and ``Probe`` modules and ``Mark`` functions inside each unit report
 when the unit's forward and its backward run. From that: which gathers
 were in flight, and which units' gathered storages were still referenced
 (``torch``'s use count of the storage, above what it is once everything is
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,7 +41,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 import freplicate as fr
-from freplicate._distributed import _plans, _sharded
+from freplicate._distributed import _plans, _rules, _sharded, _wire
+from freplicate._distributed._agree import DEBUG_VARIABLE
 from freplicate._torch import FAST_PATHS
 
 
@@ -566,7 +568,7 @@ def recording(plan: Any) -> Iterator[Recorder]:
     """``apply_sharded``'s gathers recorded while the block runs (see ``Recorder``)."""
     global RECORDER
     recorder = Recorder(plan)
-    pending, primitive = _sharded.Pending, _sharded.apply
+    pending, primitive, gather = _sharded.Pending, _sharded.apply, _sharded._gather
 
     class Recorded(pending):  # type: ignore[misc, valid-type]
         __slots__ = ()
@@ -592,11 +594,20 @@ def recording(plan: Any) -> Iterator[Recorder]:
             recorder.keep(recorder.unit(spec), out)
         return out
 
-    _sharded.Pending, _sharded.apply, RECORDER = Recorded, applied, recorder
+    def gathered_now(source: Any, shards: Any) -> list[torch.Tensor]:
+        out = gather(source, shards)
+        if not isinstance(source, pending):  # a gather run now (a started one: ``Recorded``'s)
+            recorder.events.append(("gather", recorder.unit(source)))
+            recorder.keep(recorder.unit(source), out)
+        return out
+
+    _sharded.Pending, _sharded.apply, _sharded._gather = Recorded, applied, gathered_now
+    RECORDER = recorder
     try:
         yield recorder
     finally:
-        _sharded.Pending, _sharded.apply, RECORDER = pending, primitive, None
+        _sharded.Pending, _sharded.apply, _sharded._gather = pending, primitive, gather
+        RECORDER = None
 
 
 @contextmanager
@@ -928,6 +939,32 @@ def compiled_grad_and_value(rank: int) -> dict[str, Any]:
     return {"outcome": outcome(lambda: fast(clones(rows)))}
 
 
+# --- the last unit, kept for the backward ----------------------------------------------------
+
+
+@scenario
+def two_calls_one_backward(rank: int) -> dict[str, Any]:
+    """Two calls, then one backward of both losses: the second call lets the first one's kept
+    last unit go (one unit kept of all calls), which the backward gathers again."""
+    model = net()
+    full = fr.state(model)
+    rows = fr.distributed.shard(full.params)
+
+    def call(params: dict[str, torch.Tensor], s: int) -> torch.Tensor:
+        state = fr.State(params, full.buffers)
+        return loss_of(fr.distributed.apply_sharded(model, state, ids_of(rank, s), units=FLAT)[0])
+
+    together = clones(rows, grad=True)
+    (call(together, 0) + call(together, 1)).backward()
+    apart = clones(rows, grad=True)
+    call(apart, 0).backward()
+    call(apart, 1).backward()
+    return {
+        "together": {k: p.grad for k, p in together.items()},
+        "apart": {k: p.grad for k, p in apart.items()},
+    }
+
+
 # --- a weight tied across units ---------------------------------------------------------------
 
 
@@ -936,3 +973,130 @@ def tied_gathered_once(rank: int) -> dict[str, Any]:
     """The tied embedding/head weight is gathered once per call, forward and backward together."""
     outside = _sharded.units_of(net(), FLAT).outside
     return {"outside": list(outside), "events": watched(rank, FLAT, depth=3)["events"]}
+
+
+# --- frozen parameters: gathered, never reduce-scattered --------------------------------------
+
+# frozen by the module's flags, split by fr.partition: a part of a unit (body.0's fc1), a whole
+# unit (body.1) and a part of the parameters outside every unit (the norm, beside the scale and
+# the tied embedding)
+FROZEN_PARTS = ("body.0.fc1", "body.1", "norm")
+
+
+@contextmanager
+def counted() -> Iterator[dict[str, list[Any]]]:
+    """The reduce-scatters of fr.distributed while the block runs: per call, its paths and the
+    elements of its tensors (``"calls"``); per buffer a reduce-scatter's kind handed
+    torch.distributed, its elements (``"wire"``: the buckets with their padding and flag words,
+    and whatever the layout check sends in their format besides)."""
+    seen: dict[str, list[Any]] = {"calls": [], "wire": []}
+    plain = _rules.plain
+
+    def counted_plain(spec: Any, tensors: Any) -> list[torch.Tensor]:
+        if spec.options.kind == _wire.REDUCE_SCATTER.name:
+            paths = [p[2:-2] for p in spec.paths]  # "['name']" -> name
+            seen["calls"].append((paths, sum(t.numel() for t in tensors)))
+        return plain(spec, tensors)
+
+    kinds = [k for k in _wire.KINDS.values() if k.name.startswith(_wire.REDUCE_SCATTER.name)]
+    for kind in kinds:
+        start = kind.start
+
+        def counted_start(send: Any, *args: Any, _start: Any = start) -> Any:
+            seen["wire"].append(send.numel())
+            return _start(send, *args)
+
+        kind.start = counted_start  # type: ignore[method-assign, assignment]
+    _rules.plain = counted_plain
+    try:
+        yield seen
+    finally:
+        _rules.plain = plain
+        for kind in kinds:
+            del kind.start
+
+
+def frozen_step(rank: int, where: str) -> dict[str, Any]:
+    """A warm ZeRO-3 step of ``fr.grad_and_value`` on the trainable shards, its reduce-scatters
+    counted. ``where`` the frozen parameters are: ``"state"`` (their shards, without grad),
+    ``"module"`` (left out of the state: the module's own tensors), ``"none"`` (all train)."""
+    model = net()
+    if where != "none":
+        for name in FROZEN_PARTS:
+            model.get_submodule(name).requires_grad_(False)
+    full = fr.state(model)
+    trainable, frozen = fr.partition(fr.distributed.shard(full.params), model)
+    if where == "module":
+        frozen = {}
+
+    def loss_fn(params: dict[str, torch.Tensor], ids: torch.Tensor) -> Any:
+        state = fr.State(fr.combine(params, frozen), full.buffers)
+        return loss_of(fr.distributed.apply_sharded(model, state, ids, units=FLAT)[0])
+
+    step = fr.grad_and_value(loss_fn)
+    step(trainable, ids_of(rank, 0))  # cold: the layouts agreed
+    with counted() as seen:
+        grads, _ = step(trainable, ids_of(rank, 1))
+    frozen_names = sorted(set(full.params) - set(trainable))
+    sizes = {k: v.numel() for k, v in full.params.items()}
+    return {"grads": grads, "frozen": frozen_names, "sizes": sizes, **seen}
+
+
+@scenario
+def frozen_parameters(rank: int) -> dict[str, Any]:
+    out = {where: frozen_step(rank, where) for where in ("state", "module", "none")}
+    model = net()
+    for name in FROZEN_PARTS:
+        model.get_submodule(name).requires_grad_(False)
+    ddp = DistributedDataParallel(model)
+    loss_of(ddp(ids_of(rank, 1))).backward()
+    out["ddp"] = fr.distributed.shard(
+        {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    )
+    return out
+
+
+@scenario
+def frozen_differs_across_ranks(rank: int) -> dict[str, Any]:
+    """Rank 0 freezes the norm's weight, rank 1 trains it: the backward's reduce-scatter of the
+    parameters outside every unit (its last) differs across ranks; then a step that agrees.
+
+    In the debug mode of the checks, where every call probes before data moves: in the steady
+    state a layout known on one rank meets one that is new on the other, whose buckets differ
+    in size, and gloo aborts (``_agree``'s text).
+    """
+    with debug_mode():
+        return _frozen_differs_across_ranks(rank)
+
+
+@contextmanager
+def debug_mode() -> Iterator[None]:
+    """``FREPLICATE_DISTRIBUTED_DEBUG=DETAIL`` while the block runs (every rank runs it)."""
+    saved = os.environ.get(DEBUG_VARIABLE)
+    os.environ[DEBUG_VARIABLE] = "DETAIL"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[DEBUG_VARIABLE]
+        else:
+            os.environ[DEBUG_VARIABLE] = saved
+
+
+def _frozen_differs_across_ranks(rank: int) -> dict[str, Any]:
+    model = net()
+    full = fr.state(model)
+    rows = fr.distributed.shard(full.params)
+
+    def loss_fn(params: dict[str, torch.Tensor], frozen: dict[str, torch.Tensor]) -> Any:
+        state = fr.State(fr.combine(params, frozen), full.buffers)
+        return loss_of(fr.distributed.apply_sharded(model, state, ids_of(rank), units=FLAT)[0])
+
+    differ = {"norm.weight"} if rank == 0 else set()
+    trainable = {k: v for k, v in rows.items() if k not in differ}
+    frozen = {k: v for k, v in rows.items() if k in differ}
+    step = fr.grad_and_value(loss_fn)
+    return {
+        "raised": outcome(lambda: step(trainable, frozen)),
+        "after": outcome(lambda: step(rows, {})[0]),
+    }

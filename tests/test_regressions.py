@@ -75,13 +75,18 @@ def test_distributed_mismatch_after_a_cached_layout_raises_on_every_rank(tmp_pat
     # all_reduce property had reduced the same layout on both ranks: fr.distributed checked a
     # layout across ranks only the first time it saw it, so rank 0 (layout already checked)
     # reduced while rank 1 ran the check collective, and gloo aborted rank 0 (SIGABRT)
+    # Since issue 29 a warm layout is no longer probed again outside the checks' debug mode (its
+    # check rides in its buckets): ranks that part ways onto buckets of other sizes after a
+    # layout's first use are what the debug mode is for, as the contract says
+    import os
     import subprocess
     import sys
 
     script = tmp_path / "cached_layout.py"
     script.write_text(_CACHED_LAYOUT_SCRIPT)
+    env = {**os.environ, "FREPLICATE_DISTRIBUTED_DEBUG": "DETAIL"}
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
     )
     assert "rank 0: ValueError fr.distributed.all_reduce" in done.stdout, done.stdout + done.stderr
     assert "rank 1: ValueError fr.distributed.all_reduce" in done.stdout, done.stdout + done.stderr

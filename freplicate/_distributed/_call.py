@@ -358,7 +358,9 @@ class Call:
             if not bucket.extra:
                 continue
             got = self.kind.words_of(bucket, landed[b])[-_flags.CHECK :]
-            want = _flags.expected(bucket.extra, layout.fingerprint, world, bucket.maximum)
+            want = _flags.expected(
+                bucket.extra, layout.fingerprint, world, self.kind.words_max(bucket)
+            )
             differs = torch.ne(got, torch.tensor(want, dtype=got.dtype, device=got.device)).any()
             bad = differs if bad is None else bad | differs
         torch._assert_async(
@@ -427,7 +429,8 @@ def _words_of(
             dtype, device = bucket.comm, bucket.device
             words = _flags.sent(bucket.extra, layout.fingerprint)
             sent.append(torch.tensor(words, dtype=dtype, device=device))
-            want = _flags.expected(bucket.extra, layout.fingerprint, request.world, bucket.maximum)
+            maximum = layout.kind.words_max(bucket)
+            want = _flags.expected(bucket.extra, layout.fingerprint, request.world, maximum)
             wants.append((b, torch.tensor(want, dtype=dtype, device=device)))
         got = _WORDS[key] = (sent, wants)
         while len(_WORDS) > 64:

@@ -490,13 +490,19 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
         plan, leaves = plan_of(
             like, spec.options, spec.group, spec.world, spec.caller, check=spec.check
         )
+        request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
+        early = None
+        if not is_compiling():  # agreed before the shards are checked: a wrong shard on one
+            early = scope.call = Call(request)  # rank is announced in this call's own buckets
+            early.begin()
         mine = _shard_leaves(shards, like, plan, leaves, rank, spec.world, spec.caller)
+        scope.call = None
         if not needs_rules(mine, spec.caller):
             layout = plan.layout
             with plan.lock or contextlib.nullcontext():
-                request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
-                call = scope.call = Call(request)
-                call.begin()
+                call = scope.call = early or Call(request)
+                if early is None:
+                    call.begin()
                 parts = [plan.parts(b, mine) for b in range(len(layout.buckets))]
                 call.launch_rest(parts, send_of(request))
                 # a 0-dim leaf: a new tensor too, so results never alias the shards given

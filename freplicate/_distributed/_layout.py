@@ -89,11 +89,24 @@ class Layout(NamedTuple):
     def carries_check(self, world: int) -> bool:
         """Whether the check can ride in the buckets' words (``_flags``), so no probe is needed.
 
-        A word sums up to the world size: it must not wrap round in a byte-sized
-        integer bucket (boolean buckets reduce with MAX: no sum).
+        A word sums up to the world size, which every bucket with words must
+        hold exactly: a byte-sized integer must not wrap round, a bf16 or fp16
+        word must not round (boolean buckets reduce with MAX: no sum).
         """
-        b = self.buckets[0]
-        return b.comm.itemsize > 1 or b.maximum or world < 256
+        return all(world <= _exact(b.comm) for b in self.buckets if b.extra and not b.maximum)
+
+
+def _exact(dtype: torch.dtype) -> int:
+    """The largest integer up to which every integer is exact in ``dtype``.
+
+    >>> _exact(torch.bfloat16), _exact(torch.float16), _exact(torch.uint8)
+    (256, 2048, 255)
+    """
+    if dtype.is_complex:
+        dtype = dtype.to_real()
+    if dtype.is_floating_point:
+        return int(2 / torch.finfo(dtype).eps)
+    return int(torch.iinfo(dtype).max)
 
 
 def build(

@@ -33,6 +33,7 @@ from .._checks import check_int
 from .._state import State
 from .._tree import describe
 from .._typing import DeviceSpec
+from ._collectives import shard  # the split every fr.distributed function uses
 from ._dcp import agree
 from ._group import comm_device, world_size
 from ._sharded import unit_names
@@ -136,7 +137,6 @@ def materialize(
     except Exception as err:
         report, failed = (type(err).__name__, str(err)), err
     _check_alike(agree(report, group, world, failed))
-    from ..distributed import shard  # the split every fr.distributed function uses
 
     def rows(full: torch.Tensor) -> torch.Tensor:
         return full if world == 1 else shard(full, group=group).clone()

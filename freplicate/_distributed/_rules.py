@@ -43,12 +43,13 @@ import torch
 import torch.distributed as dist
 
 from .._torch import any_requires_grad, is_compiling, transform_level
+from ._agree import OwnFailure
 from ._call import Announced, Call, Request, send_of
 from ._group import forward_ad_level, refuse_traced_transforms
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
-__all__ = ["Pending", "Primitive", "apply", "as_rule", "held", "needs_rules", "plain"]
+__all__ = ["Pending", "Primitive", "apply", "as_rule", "failed", "held", "needs_rules", "plain"]
 
 
 
@@ -89,6 +90,19 @@ def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             sparse = [tensors[k] for k in layout.sparse]
             call.launch_rest(parts, send_of(request), sparse)
             return call.finish(local=held(spec, [tensors[k] for k in layout.local]))
+
+
+def failed(spec: Spec, tensors: Sequence[torch.Tensor], error: BaseException) -> None:
+    """``plain``'s call, made by a rank whose own code failed: every bucket sent with nothing of
+    its own and *failed* set, so that the peers, in that call, raise naming it. Returns once
+    every rank knows (the caller raises ``error``)."""
+    plan = plan_for(spec, tensors)
+    call = Call(Request(plan, spec.group, spec.world, spec.caller, spec.check))
+    call.begin()
+    try:
+        call.fail(error)
+    except OwnFailure:
+        pass
 
 
 def _differentiable(t: torch.Tensor) -> bool:

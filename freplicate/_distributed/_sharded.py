@@ -18,7 +18,14 @@ backward pass. Eagerly, three things keep memory and time down:
   from a gathered buffer into a token (the unit, the buffer, the view), and
   the backward pass gathers the unit again when it first needs one, the unit
   before it prefetched; a gradient taken with ``create_graph`` gathers it
-  through the primitive, so that second order holds.
+  differentiably, so that second order holds. The last unit is the
+  exception: the backward pass starts with it, so its parameters are kept
+  from its forward (their values, no graph) rather than gathered again.
+
+The transpose reaches the shards that require grad only: a frozen
+parameter (``fr.partition``'s, a shard without grad) is gathered and never
+reduce-scattered, and a unit whose parameters are all frozen sends nothing
+in the backward pass.
 
 At any moment a rank holds its shards, the parameters outside every unit,
 and at most two units' full parameters. Under ``torch.compile`` and inside
@@ -45,10 +52,9 @@ from .._checks import check_op
 from .._state import State
 from .._torch import is_compiling, transform_level
 from .._tree import describe
-from ._call import Announced
-from ._group import comm_device, world_size
+from ._group import ProtocolError, comm_device, forward_ad_level, world_size
 from ._options import Options
-from ._rules import Pending, apply, as_rule, needs_rules, plain
+from ._rules import Pending, apply, as_rule, failed, needs_rules, plain
 from ._wire import ALL_GATHER, ALL_REDUCE, KINDS, Spec, order_of, replaced, valid_rows
 
 __all__ = ["apply_sharded"]
@@ -235,6 +241,8 @@ def apply_sharded(
 
 _OPTIONS = Options(ALL_GATHER.name, "mean", 25.0, None)
 _CLOSING = Options(ALL_REDUCE.name, "sum", 25.0, None)
+#: the call whose last unit is kept for its backward (weakly): one at most, of all calls
+_KEEPER: list[weakref.ref[Any] | None] = [None]
 
 
 def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) -> None:
@@ -277,23 +285,62 @@ class _Token(NamedTuple):
 
 
 class _Gathered(torch.autograd.Function):
-    """A unit's started gather, finished: its transpose, the reduce-scatter, reaches the shards."""
+    """A unit's gather, finished (a started ``Pending``) or run now (its ``Spec``).
+
+    Its transpose, the reduce-scatter of the cotangents, reaches the shards
+    that need a gradient only (``ctx.needs_input_grad``): a frozen shard (one
+    that does not require grad) is gathered and never reduced, and a unit
+    none of whose shards needs one sends nothing in the backward pass. Every
+    rank must pass the same shards with and without grad (the same trainable
+    and frozen split): the reduce-scatter's paths are part of its layout, so
+    where ranks differ the layout check sees it as it sees any other tree that
+    differs (a ``ValueError`` on every rank where it probes: a layout's first
+    use, every call in the debug mode; ``_agree``).
+    """
 
     @staticmethod
-    def forward(pending: Pending, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return tuple(pending.finish())
+    def forward(source: Pending | Spec, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        if isinstance(source, Pending):
+            return tuple(source.finish())
+        return tuple(plain(source, shards))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        pending, *shards = inputs
-        ctx.spec = pending.spec
+        source, *shards = inputs
+        ctx.spec = source.spec if isinstance(source, Pending) else source
         ctx.inputs = [(tuple(t.shape), order_of(t)) for t in shards]
         ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        spec = as_rule(ctx.spec, "backward")
-        return (None, *KINDS[spec.options.kind].transpose(spec, cts, ctx.inputs, apply))
+        grads: list[Any] = [None] * len(cts)
+        wanted = [k for k, need in enumerate(ctx.needs_input_grad[1:]) if need]
+        if wanted:
+            spec = _only(as_rule(ctx.spec, "backward"), wanted)
+            inputs = [ctx.inputs[k] for k in wanted]
+            got = KINDS[spec.options.kind].transpose(spec, [cts[k] for k in wanted], inputs, apply)
+            for k, g in zip(wanted, got):
+                grads[k] = g
+        return (None, *grads)
+
+
+def _only(spec: Spec, ks: Sequence[int]) -> Spec:
+    """``spec`` for its tensors ``ks`` only (all of them: ``spec`` itself)."""
+    if len(ks) == len(spec.paths):
+        return spec
+    whole = None if spec.whole is None else tuple(spec.whole[k] for k in ks)
+    like = None if spec.like is None else tuple(spec.like[k] for k in ks)
+    return replaced(spec, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like)
+
+
+def _gather(source: Pending | Spec, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The gather of ``shards`` (started: ``source`` a ``Pending``; or now, of ``source``'s
+    spec), through ``_Gathered`` where autograd reaches them, plainly where it does not."""
+    if isinstance(source, Spec) and forward_ad_level():  # a tangent: the primitive's rules
+        return apply(source, shards)
+    if needs_rules(shards, _CALLER):
+        return list(_Gathered.apply(source, *shards))
+    return source.finish() if isinstance(source, Pending) else plain(source, shards)
 
 
 class _Session:
@@ -304,12 +351,16 @@ class _Session:
         self.shards = shards
         self.spec = spec
         self.pending: dict[str, Pending] = {}
+        self.started: set[str] = set()  # the units whose gather this call started (eagerly)
         self.order: list[str] = []  # the units as they ran (the backward pass runs them back)
         # a gathered buffer's storage -> (unit, which of its buffers, dtype): no reference kept,
         # so that a unit's buffers go back to their pool once it is released
         self.live: dict[int, tuple[str, int, torch.dtype]] = {}
         self.again: dict[str, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.tokened: list[str] = []  # the units whose saved tensors are tokens, as they ran
+        # the last unit's parameters (predicted: the last of ``units``), kept from its forward to
+        # the backward pass, which needs them first: what ``_again`` gives instead of a gather
+        self.kept: tuple[str, tuple[list[torch.Tensor], dict[str, torch.Tensor]]] | None = None
         self.done = False  # the forward is over: a stand-in touched now is a recomputation
 
     # --- one unit's gather ---------------------------------------------------------------
@@ -327,23 +378,24 @@ class _Session:
         names = self._names(unit)
         if names and unit not in self.pending:
             self.pending[unit] = Pending(self._spec(names), [self.shards[n] for n in names])
+            self.started.add(unit)
 
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
         """``unit``'s full parameters, differentiable; the next unit's gather started."""
         names = self._names(unit)
         if not names:
             return {}
+        self.kept = None  # a unit after the last one: the last is not the backward's first
         self.start(unit)
-        pending = self.pending.pop(unit)
-        shards = [self.shards[n] for n in names]
-        if needs_rules(shards, _CALLER):
-            full = list(_Gathered.apply(pending, *shards))
-        else:
-            full = pending.finish()
+        full = _gather(self.pending.pop(unit), [self.shards[n] for n in names])
         self._track(unit, full)
         following = self._following(unit)
         if following is not None:
             self.start(following)
+        elif torch.is_grad_enabled() and not self.done:  # the last unit: kept for the backward
+            bases = [t.detach() for t in _bases(full)]  # pass, which starts with it (the values)
+            self.kept = (unit, (bases, {n: t.detach() for n, t in zip(names, full)}))
+            _KEEPER[0] = weakref.ref(self)
         return dict(zip(names, full))
 
     def _following(self, unit: str) -> str | None:
@@ -374,6 +426,9 @@ class _Session:
     def unit_by_unit(
         self, module: nn.Module, state: State, args: Any, kwargs: Any
     ) -> tuple[Any, State]:
+        keeper = _KEEPER[0]() if _KEEPER[0] is not None else None
+        if keeper is not None:  # an earlier call's graph not yet differentiated: its last unit
+            keeper.kept = None  # is gathered again (the bound of two units holds across calls)
         values = dict(self.gather_outside())
         mine = weakref.ref(self)
         stand_ins = {
@@ -388,25 +443,41 @@ class _Session:
             else contextlib.nullcontext()
         )
         spec = self.spec
-        with Announced(spec.group, spec.world, spec.caller):  # a failure here: every rank raises
+        closing = replaced(spec, options=_CLOSING, paths=("<closing>",))
+        zero = torch.zeros(1, device=comm_device(spec.group))
+        try:
             try:
                 with hooks, _named_touches(self.plan):
                     out, new = _apply.bound_call(module, bound, args, kwargs, around=self.around)
             finally:
                 self.settle()
                 self.done = True
-            # the call's last collective, after its forward: a rank whose forward raised after
-            # its last gather announces it here, so that every rank raises in this call
-            zero = torch.zeros(1, device=comm_device(spec.group))
-            plain(replaced(spec, options=_CLOSING, paths=("<closing>",)), [zero])
+                if self.kept is not None and self.kept[0] not in self.tokened:
+                    self.kept = None  # no saved tensor of it: the backward never gathers it
+        except BaseException as err:  # a failure here: every rank raises, in this call
+            if not isinstance(err, ProtocolError):
+                self._announce(err, closing, zero)
+            raise
+        # the call's last collective, after its forward: a rank whose forward raised after its
+        # last gather announces it here, so that every rank raises in this call
+        plain(closing, [zero])
         return out, State(state.params, new.buffers)
+
+    def _announce(self, error: BaseException, closing: Spec, zero: torch.Tensor) -> None:
+        """This rank's forward failed: it runs, failed, the collective its peers run next (the
+        first unit it never gathered, or the closing one), where every rank then raises."""
+        for unit in self.plan.names:
+            names = self._names(unit)
+            if names and unit not in self.started:
+                failed(self._spec(names), [self.shards[n] for n in names], error)
+                return
+        failed(closing, [zero], error)
 
     def gather_outside(self) -> Iterator[tuple[str, torch.Tensor]]:
         names = tuple(n for n in self.plan.outside if self.shards.get(n) is not None)
         if not names:
             return iter(())
-        shards = [self.shards[n] for n in names]
-        return zip(names, apply(self._spec(names), shards))
+        return zip(names, _gather(self._spec(names), [self.shards[n] for n in names]))
 
     def around(self, where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
         """Wrap each unit's copy: its parameters bound for its forward only."""
@@ -448,20 +519,23 @@ class _Session:
 
     def _again(self, unit: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
         """``unit``'s buffers and parameters gathered again (differentiably under
-        ``create_graph``), every other unit's let go."""
+        ``create_graph``; the last unit's kept from its forward otherwise), every other
+        unit's let go."""
         got = self.again.get(unit)
         if got is not None:
             return got
-        names = self._names(unit)
-        shards = [self.shards[n] for n in names]
-        pending = self.pending.pop(unit, None)
-        if torch.is_grad_enabled():  # a graph to keep: through the primitive
-            if pending is not None:
-                pending.finish()
-            full = apply(self._spec(names), shards)
+        kept, self.kept = self.kept, None
+        if kept is not None and kept[0] == unit and not torch.is_grad_enabled():
+            got = kept[1]  # the last unit, kept from the forward: no gather
         else:
-            full = (pending or Pending(self._spec(names), shards)).finish()
-        got = (_bases(full), dict(zip(names, full)))
+            names = self._names(unit)
+            shards = [self.shards[n] for n in names]
+            pending = self.pending.pop(unit, None)
+            if torch.is_grad_enabled():  # a graph to keep (create_graph, a recomputation)
+                full = _gather(pending or self._spec(names), shards)
+            else:
+                full = (pending or Pending(self._spec(names), shards)).finish()
+            got = (_bases(full), dict(zip(names, full)))
         self.again = {unit: got}
         if not torch.is_grad_enabled():
             self._prefetch_before(unit)

@@ -257,12 +257,12 @@ class Step:
             if n is None:
                 self.local(*args, **kwargs)  # raises its own error (out of range)
             tree = args[n]  # type: ignore[index]
-            w = self._weigh(args, kwargs)
             plan, leaves, key = self._plan(tree, world)
             with plan.lock or contextlib.nullcontext():
                 request = self._request(plan, world)
                 call = scope.call = Call(request)
                 call.begin(self._checksums(tree))
+                w = self._weigh(args, kwargs)  # the user's code: after the call has its layout
                 send = send_of(request, weight=w)
                 try:
                     results, value = self._backward(call, send, args, kwargs, n, leaves, attempt)  # type: ignore[arg-type]

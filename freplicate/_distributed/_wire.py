@@ -421,6 +421,10 @@ class Kind:
         """The landed flag words, summed over the ranks."""
         return landed[-bucket.extra :]
 
+    def words_max(self, bucket: Bucket) -> bool:
+        """Whether the landed words are the ranks' maximum (a boolean reduction), not their sum."""
+        return bucket.maximum
+
     # --- copy-out ------------------------------------------------------------------------
 
     def views(self, bucket: Bucket, buf: torch.Tensor, rank: int) -> list[torch.Tensor]:
@@ -734,6 +738,9 @@ class AllGather(_Rowed):
 
     def words_of(self, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
         return landed.view(bucket.chunks, bucket.chunk)[:, -bucket.extra :].sum(0)
+
+    def words_max(self, bucket: Bucket) -> bool:
+        return False  # every rank's own words, added up here
 
     def views(self, bucket: Bucket, buf: torch.Tensor, rank: int) -> list[torch.Tensor]:
         """Each tensor's rows of every rank, side by side (tensor-major), its own ones only."""
