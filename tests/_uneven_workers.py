@@ -24,6 +24,7 @@ from _dist_workers import (
     _main,
     dense,
     gather_all,
+    in_debug_mode,
     scenario,
     snapshot,
     spawn,
@@ -216,6 +217,7 @@ def failing_loop(rank: int, items: Any, forget_skip: bool) -> dict[str, Any]:
 
 
 @scenario
+@in_debug_mode  # rank 1's join meets rank 0's warm step: sizes differ (gloo would abort)
 def join_forgotten_skip(rank: int) -> dict[str, Any]:
     """Rank 1 runs out and, on None, calls nothing: every rank raises instead of waiting."""
     return failing_loop(rank, [batch(rank, i, 4) for i in range([3, 1][rank])], True)

@@ -93,14 +93,17 @@ def test_a_warm_call_sends_its_data_alone(job, name) -> None:
 
 
 def test_a_warm_zero3_step_sends_what_fsdp2_sends(job) -> None:
-    """Three units: a gather per unit before its forward, a regather per unit for its backward
-    but the last (kept from the forward), a reduce-scatter per unit (over gloo, an all-reduce of
-    the rank-major buffer); nothing else, nothing read on the host."""
+    """Three units: a gather per unit before its forward, the closing collective (a failure after
+    the last gather is announced there), a regather for the backward of the units whose
+    gathered parameters the backward needs (the middle one: the last is kept from its forward,
+    the first saved only its input), a reduce-scatter per unit (over gloo, an all-reduce of the
+    rank-major buffer); nothing else, nothing read on the host."""
+    gather, reduce = "all_gather_single", "all_reduce"
     for rank, logs in enumerate(_calls(job)["zero3"]):
         for log in logs:
             kinds = [kind for kind, _ in _launches(log)]
-            gather, reduce = "all_gather_single", "all_reduce"
-            assert kinds == [gather] * 5 + [reduce] * 3, f"rank {rank}: {_launches(log)}"
+            want = [gather] * 3 + [reduce] + [gather] + [reduce] * 3
+            assert kinds == want, f"rank {rank}: {_launches(log)}"
             assert [w for e, w in log if e == "read"] == [], f"rank {rank}: {log}"
 
 

@@ -218,11 +218,14 @@ def announce(
     caller: str,
     error: BaseException,
     drain: Callable[[Known, BaseException], None],
+    known: Known | None = None,
 ) -> NoReturn:
     """A rank that failed before its call had a layout joins its peers' call, and raises.
 
-    Its peers run the predicted layout (``expected``), known and unprobed
-    outside the debug mode: this rank sends that call's every bucket with
+    Its peers run ``known`` where the caller knows it (``join``: the step
+    whose reduction carried its bit), else the predicted layout
+    (``expected``), known and unprobed outside the debug mode: this rank
+    sends that call's every bucket with
     nothing of its own and *failed* set (``drain``), and every rank reads it
     where the results land. Otherwise (no prediction, or the debug mode)
     the peers probe first: this rank's probe matches no fingerprint. Raises
@@ -230,7 +233,7 @@ def announce(
     prediction that misses meets another collective (as any divergence
     outside the debug mode).
     """
-    known = _history(group).expected()
+    known = known or _history(group).expected()
     if known is None or debugging() or not known.layout.carries_check(world):
         t = torch.tensor([_FAILED_PROBE] * 4, device=comm_device(group))
         with collective(caller):

@@ -209,6 +209,7 @@ class Call:
                 if joining.bit:
                     changed[_flags.MORE] = float(joining.bit)
                 self.joining = joining
+                joining.carrier = Known(self.layout, tuple(self.request.plan.dims))
             if self.layout.options.weighted:
                 if bucket.comm in _WIDE:
                     carried = send.weight
@@ -455,12 +456,13 @@ class Announced:
     can be announced. The one place where a failure is announced.
     """
 
-    __slots__ = ("call", "caller", "group", "world")
+    __slots__ = ("call", "caller", "group", "known", "world")
 
-    def __init__(self, group: Any, world: int, caller: str) -> None:
+    def __init__(self, group: Any, world: int, caller: str, known: Known | None = None) -> None:
         self.group = group
         self.world = world
         self.caller = caller
+        self.known = known  # the call the peers run next, where the body knows it
         self.call: Call | None = None
 
     def __enter__(self) -> Announced:
@@ -479,6 +481,6 @@ class Announced:
             if self.call is not None:
                 self.call.fail(err)
             else:
-                announce(self.group, self.world, self.caller, err, self._drain)
+                announce(self.group, self.world, self.caller, err, self._drain, self.known)
         except OwnFailure:
             pass

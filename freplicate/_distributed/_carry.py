@@ -32,11 +32,12 @@ class Joining:
     ``None`` until then.
     """
 
-    __slots__ = ("__weakref__", "bit", "total")
+    __slots__ = ("__weakref__", "bit", "carrier", "total")
 
     def __init__(self) -> None:
         self.bit: int | None = None
         self.total: torch.Tensor | None = None
+        self.carrier: Any = None  # the layout (``_agree.Known``) of the call that carried the bit
 
     def arm(self, more: bool) -> None:
         self.bit = int(more)

@@ -98,12 +98,12 @@ def _joined(items: Iterator[T], group: Any, world: int, caller: str) -> Iterator
     joining = carry.Joining()
     carry.enter(group, joining)
     try:
-        current = _next(items, group, world, caller)
+        current = _next(items, joining, group, world, caller)
         joining.arm(current is not _END)
         if not _settle(joining, group, world, caller):
             return
         while True:
-            following = _END if current is _END else _next(items, group, world, caller)
+            following = _END if current is _END else _next(items, joining, group, world, caller)
             joining.arm(following is not _END)  # carried by the step's first reduction
             yield None if current is _END else current
             if not _settle(joining, group, world, caller):
@@ -113,9 +113,10 @@ def _joined(items: Iterator[T], group: Any, world: int, caller: str) -> Iterator
         carry.leave(group, joining)
 
 
-def _next(items: Iterator[T], group: Any, world: int, caller: str) -> Any:
-    """The next item or ``_END``; an error raised on every rank, this one's own here."""
-    with Announced(group, world, caller):
+def _next(items: Iterator[T], joining: carry.Joining, group: Any, world: int, caller: str) -> Any:
+    """The next item or ``_END``; an error raised on every rank, this one's own here (in the
+    call the peers make next: the step's reduction that carried the bit last time)."""
+    with Announced(group, world, caller, known=joining.carrier):
         return next(items, _END)
 
 
