@@ -13,14 +13,16 @@ The layers, from the ground up (arrows point down only)::
                object owning its chunks, cells, buffer sizes, copy-in/out, eager and traced
                starts, and its rules (transpose, tangent, batch); Spec: one call but its data
     _options   a call's options (every rank must pass them alike)
-    _flags     the words that ride at the end of a call's buckets
+    _flags     the words that ride at the end of a call's buckets (the check, failed, retry)
     _layout    pure: a tree's signatures -> buckets (DDP's rule), fingerprint, mismatch text
     _transport where buffers come from and how a kind's collective runs: Eager | Traced
-    _agree     the cross-rank agreement, eagerly (fast path in the first bucket's words)
+    _agree     the cross-rank agreement: a probe on a layout's first use (every call in the
+               debug mode), the exchange that names what differs, the announcement of a failure
     _store     the same while tracing, once per trace, through the group's store
     _plans     a tree (or a rule's tensors) -> its layout, cached eagerly, baked in traced
-    _call      Call(Request): agree, launch buckets in order (what each carries: a Send),
-               finish; the failure protocol; it issues no collective itself
+    _call      Call(Request): agree, launch buckets in order without waiting (what each
+               carries: a Send), finish and verify the words on the device; the failure
+               protocol; it issues no collective itself
     _rules     apply(): a call plainly, or through a functorch-aware autograd.Function whose
                backward / jvp / vmap are the kind's rules; Pending: a call started, finished later
     _collectives, _step, _backward, _join, _carry, _shard, _sharded, _dcp, _materialize
@@ -34,9 +36,9 @@ One call, eagerly (``all_reduce(tree)``; ``broadcast``, ``reduce_scatter``,
       -> _collectives.collect
            plan_of(tree)                         layout from the leaves' signatures (cached)
            needs_rules(tensors)?  -- no -->  Call(Request(plan, ...))
-                                              .begin()      _agree.agree: fast path, or a verdict
+                                              .begin()      _agree.agree: a probe on first use only
                                               .launch_rest  kind.pack -> Eager.start (async, pooled)
-                                              .finish()     wait, read the words, kind.views
+                                              .finish()     wait, assert the words, kind.views
                   -- yes (a transform, a forward-AD level, an input requiring grad) -->
                                          _rules.apply -> Primitive.apply(spec, *tensors)
                                               forward   = the same plain Call
@@ -52,10 +54,11 @@ The same call while ``torch.compile`` traces::
            _layout_now (assume_constant_result: runs for real, once per trace)
                 -> build the layout, _store.check it across ranks -> baked into the graph
       -> Call(Request) with the Traced transport
-           begin: the probe (a fixed-size MAX all-reduce of the fingerprint, read by an op the
-                  first bucket's words depend on: ranks on other layouts raise, never abort)
+           begin: in the debug mode only, the probe (a fixed-size MAX all-reduce of the
+                  fingerprint, read by an op the first bucket's words depend on)
            kind.joined: the send buffer as one cat of the parts (rank-major where rowed)
-           kind.start_traced -> torch.ops._c10d_functional.*  (in the graph; wait_tensor at finish)
+           kind.start_traced -> torch.ops._c10d_functional.*  (in the graph; wait_tensor at finish,
+                  then the words asserted in the graph: torch._assert_async)
       kind.joined: the buffer built of differentiable ops, so that a graph-carrying input keeps
       its graph: the functional collectives' own autograd is the kinds' transposes (one graph,
       forward and AOT's backward); inside a torch.func transform: refused (Dynamo would trace

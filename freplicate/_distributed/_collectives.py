@@ -33,6 +33,7 @@ from .._tree import (
     tensor_values,
 )
 from .._typing import Compress, Op, TensorTree
+from ._agree import debugging
 from ._call import Announced, Call, Request, Send, send_of
 from ._group import check_src, world_size
 from ._options import Options, reduction, weight_value
@@ -103,9 +104,10 @@ def all_reduce(
         bucket_cap_mb: the most megabytes a bucket holds.
         compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
             that dtype, ``None`` to send them as they are.
-        check: ``False`` skips the cross-rank layout check, and with it the promise
-            that ranks that part ways raise instead of hanging (pass it alike on
-            every rank).
+        check: ``False`` skips the probe of a layout's first use (the words a
+            warm call carries are checked all the same), and with it the
+            promise that ranks whose layouts differ raise before data moves
+            (pass it alike on every rank).
         weight: this rank's weight in a weighted mean (``op="mean"`` only),
             or ``None`` for the plain mean; give one on every rank or on none.
 
@@ -172,7 +174,7 @@ def reduce_scatter(
         bucket_cap_mb: the most megabytes a bucket holds (all ranks' rows).
         compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
             that dtype.
-        check: ``False`` skips the cross-rank layout check (pass it alike).
+        check: ``False`` skips the probe of a layout's first use (pass it alike).
 
     Returns:
         The tree of this rank's shards of the reduced leaves; ``tree`` itself
@@ -278,9 +280,10 @@ def broadcast(
             its layout, not its values, matters).
         src: the global rank whose values every rank gets; a rank of ``group``.
         group: the process group (default: the default group).
-        check: ``False`` skips the cross-rank layout check, and with it the promise
-            that ranks that part ways raise instead of hanging (pass it alike on
-            every rank).
+        check: ``False`` skips the probe of a layout's first use (the words a
+            warm call carries are checked all the same), and with it the
+            promise that ranks whose layouts differ raise before data moves
+            (pass it alike on every rank).
 
     Returns:
         The tree of ``src``'s values (fresh tensors on every rank); ``tree``
@@ -460,7 +463,7 @@ def all_gather(
         shards: this rank's shards, a tree of ``like``'s structure.
         like: the full tree (e.g. the parameters before the update).
         group: the process group (default: the default group).
-        check: ``False`` skips the cross-rank layout check (pass it alike).
+        check: ``False`` skips the probe of a layout's first use (pass it alike).
 
     Returns:
         A new tree of full tensors; ``shards`` itself without a process group
@@ -492,8 +495,10 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
         )
         request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
         early = None
-        if not is_compiling():  # agreed before the shards are checked: a wrong shard on one
-            early = scope.call = Call(request)  # rank is announced in this call's own buckets
+        # agreed before the shards are checked, so that a wrong shard on one rank is announced
+        # in this call's own buckets (in the debug mode every rank probes first: announce meets it)
+        if not is_compiling() and not debugging():
+            early = scope.call = Call(request)
             early.begin()
         mine = _shard_leaves(shards, like, plan, leaves, rank, spec.world, spec.caller)
         scope.call = None

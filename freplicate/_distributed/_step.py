@@ -28,7 +28,7 @@ from .._checks import check_int
 from .._torch import foreach_add, foreach_add_, foreach_mul, is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, tensor_values
 from .._typing import Compress, Op, TensorTree
-from ._agree import sparse_gradients
+from ._agree import debugging, sparse_gradients
 from ._backward import Attempt, Differentiated, overlapped
 from ._call import Announced, Call, Redo, Request, Send, send_of
 from ._collectives import collect, run
@@ -375,8 +375,8 @@ class Step:
         before ``fn`` runs, so that a failure in ``fn`` is sent in that call's own buckets (its
         layout is the differentiated tree's: the gradients have its leaves' signatures)."""
         n = _position(self.argnums, args)
-        if n is None or is_compiling() or transform_level() is not None:
-            return None
+        if n is None or is_compiling() or transform_level() is not None or debugging():
+            return None  # (in the debug mode every rank probes first: a failure meets that)
         tree = args[n]
         plan, _ = plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
         call = Call(self._request(plan, world))
@@ -696,10 +696,11 @@ def grad_and_value(
         argnums: which positional argument is differentiated (a tree of tensors).
         compress: ``"bf16"`` or ``"fp16"`` to send floating-point buckets in
             that dtype.
-        check: ``False`` skips the cross-rank checks (layouts, and the
-            parameters' values on a layout's first call), and with them the
-            promise that ranks that part ways raise instead of hanging (pass it
-            alike on every rank).
+        check: ``False`` skips the probe of a layout's first use (layouts,
+            and the parameters' values), and with it the promise that ranks
+            whose layouts differ raise before data moves (the words a warm
+            call carries are checked all the same; pass it alike on every
+            rank).
         weight: ``weight(*args)`` -> this rank's weight (a number >= 0, or a
             one-element tensor, read back to the host), for a weighted mean
             (``op="mean"`` only); give one on every rank or on none.
