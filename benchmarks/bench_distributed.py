@@ -20,9 +20,9 @@ Sides of the training step (SGD, lr 0.01, ``F.cross_entropy``):
 - ``replicate``: composable ``replicate`` + the same optimiser;
 - ``fr``: ``fr.distributed.grad_and_value`` over ``fr.apply``, out-of-place
   update ``torch._foreach_add(params, grads, alpha=-lr)``; ``check=False``:
-  the same without the per-call cross-rank layout check (on a layout
-  already agreed, three flag elements carried by the first bucket; DDP
-  checks shapes once, at construction);
+  the same without the first-use probe (on a warm layout the check's 50
+  words ride in the first and last buckets either way, verified on the
+  device; DDP checks shapes once, at construction);
 - ``naive``: the straightforward functional step (the "before" of issue 6):
   ``fr.grad_and_value``, then one fresh flat buffer (``torch.cat``), one
   blocking ``dist.all_reduce``, split back, divided by the world size.

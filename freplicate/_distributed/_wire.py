@@ -376,10 +376,17 @@ class Kind:
                         out.copy_(src)
                     else:
                         torch.mul(src, scale, out=out)
-                else:
+                elif run.slot == run.size and run.order is None:  # the cells are contiguous
                     torch.stack(list(part), out=cells)
                     if scale is not None:
                         cells.mul_(scale)
+                else:  # padded cells: stacked first (a stack into strided cells is ~4x slower,
+                    # measured on 400 small tensors), then one pass copies, scaled, into them
+                    stacked = torch.stack(list(part))
+                    if scale is None:
+                        cells.copy_(stacked)
+                    else:
+                        torch.mul(stacked, scale, out=cells)
 
     def joined(
         self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
