@@ -185,8 +185,10 @@ def apply_sharded(
     Output, new buffers and gradients equal ``fr.apply`` on
     ``all_gather(state.params, like)`` followed by ``reduce_scatter`` of the
     gradient. Eagerly the next unit's gather is started while a unit runs,
-    and no gathered parameter is kept for the backward pass: it gathers each
-    unit again when it reaches it. Collective: every rank calls it, with the
+    and no gathered parameter but the last unit's (with which the backward
+    pass starts) is kept for the backward pass: it gathers each other unit
+    again when it reaches it; frozen shards are gathered, never reduced.
+    Collective: every rank calls it, with the
     same module, units and layout.
 
     A ZeRO-3 step: ``grads, loss = fr.grad_and_value(loss_fn)(shards, *batch)``
