@@ -238,3 +238,25 @@ def _outcome(f: Callable[[], Any]) -> tuple[Any, ...]:
 
 def _launches_of(log: list[tuple[str, Any]]) -> list[Any]:
     return [what for event, what in log if event == "launch"]
+
+
+@_dist_workers.scenario  # run on its own (not in the module's job)
+def compiled_diverging(rank: int) -> dict[str, Any]:
+    """A compiled all_reduce traced (and agreed) on two layouts of one size, then rank 1 runs the
+    other cached graph: no probe in the graph, the words asserted in it, every rank raises."""
+    torch._dynamo.reset()
+    graphs: list[list[str]] = []
+
+    def backend(gm: Any, example_inputs: Any) -> Any:  # the graphs' collectives, then eager
+        graphs.append([str(n.target) for n in gm.graph.nodes if "all_reduce" in str(n.target)])
+        return gm.forward
+
+    f = torch.compile(lambda t: fr.distributed.all_reduce(t, op="sum"), backend=backend)
+    a, b = {"a": torch.ones(6)}, {"b": torch.ones(2, 3)}
+    f(a)
+    f(b)  # a second graph (other keys and shapes), agreed while it traced
+    with recorded() as log:
+        f(a)
+    out: dict[str, Any] = {"graphs": graphs, "warm launches": _launches_of(log)}
+    out["diverged"] = _outcome(lambda: f(b if rank == 1 else a))
+    return out

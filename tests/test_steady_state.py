@@ -133,3 +133,18 @@ def test_a_call_diverging_after_warm_up_raises_everywhere_where_its_results_land
         data = [launch for launch in r["all_reduce launches"] if launch[0] != "all_gather_object"]
         assert len(data) == 1, f"rank {rank}: one bucket and no probe: {data}"
         assert r["after"]["x"].tolist() == [float(sum(range(world)))] * 2
+
+
+def test_a_compiled_call_sends_no_probe_and_asserts_its_words_in_the_graph() -> None:
+    """Compiled, a warm call is its bucket alone; cached graphs of two layouts of one size run
+    against each other: every rank raises where the results land (the device-side assertion)."""
+    got = s.spawn(["compiled_diverging"], pg_timeout=30.0, deadline=240.0)
+    for rank, r in enumerate(got["compiled_diverging"]):
+        assert isinstance(r, dict), f"rank {rank}: {r!r}"
+        assert r["warm launches"] == [], f"rank {rank}: eager launches in a compiled call"
+        # one all-reduce a graph: its bucket, no probe (the debug mode's) before it
+        assert [len(g) for g in r["graphs"]] == [1, 1], r["graphs"]
+        outcome = r["diverged"]
+        assert outcome[0] == "raised" and outcome[1] == "RuntimeError", (rank, outcome)
+        assert "ranks ran different calls here" in outcome[2], outcome[2]
+        assert "FREPLICATE_DISTRIBUTED_DEBUG=DETAIL" in outcome[2], outcome[2]

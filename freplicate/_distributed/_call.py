@@ -340,7 +340,7 @@ class Call:
         if self.error is not None:
             self._named(landed)
         try:  # on a CUDA device, asynchronous: a failure surfaces at the next synchronisation
-            torch._assert_async(bad.logical_not_())
+            torch._assert_async(bad.logical_not_(), _different(self.request.caller))
         except RuntimeError:  # raised by the assertion alone: the words differ from clean ones
             self._named(landed)
         if self.joining is not None:
@@ -364,12 +364,7 @@ class Call:
             )
             differs = torch.ne(got, torch.tensor(want, dtype=got.dtype, device=got.device)).any()
             bad = differs if bad is None else bad | differs
-        torch._assert_async(
-            ~bad,
-            f"{caller}: the ranks ran different calls in this compiled call (another layout or "
-            f"collective on some rank); every rank raises. Set {DEBUG_VARIABLE}=DETAIL on every "
-            "rank to check every call before its data moves, naming the difference",
-        )
+        torch._assert_async(~bad, _different(caller))
 
     def _named(self, landed: Sequence[torch.Tensor]) -> NoReturn:
         """Raise, on every rank together, what the landed words say (read on the host)."""
@@ -389,6 +384,17 @@ class Call:
         else:
             total = self.kind.words_of(self.layout.buckets[0], landed[0])[_flags.WEIGHT]
         return total.real if total.is_complex() else total
+
+
+def _different(caller: str) -> str:
+    """The device-side assertion's message: raised as it is where the words cannot be read
+    (compiled, or on a CUDA device, at the next synchronisation)."""
+    return (
+        f"{caller}: the ranks ran different calls here (another layout or collective on some "
+        "rank, or a rank's failure); every rank raises. Set "
+        f"{DEBUG_VARIABLE}=DETAIL on every rank to check every call before its data moves, "
+        "naming the difference"
+    )
 
 
 def _merged(layout: Any, b: int, parts: Sequence[Part], send: Send) -> Sequence[Part]:
