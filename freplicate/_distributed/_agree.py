@@ -84,10 +84,12 @@ def debugging() -> bool:
 
 
 class Known(NamedTuple):
-    """A layout every rank of a group checked, and its sparse tensors' sparse dims."""
+    """A layout every rank of a group checked, its sparse tensors' sparse dims, and whether its
+    buckets' words carry its check (``Layout.carries_check``: else every call probes)."""
 
     layout: Layout
     dims: tuple[int, ...]
+    carries: bool = True
 
 
 class _History:
@@ -167,12 +169,13 @@ def agree(
     """
     history = _history(group)
     fingerprint = layout.fingerprint
-    first = fingerprint not in history.known
-    if first or not layout.carries_check(world) or debugging():
-        _probe(layout, group, caller, checksums if first else None)
-        if len(history.known) >= KNOWN:
-            history.known.clear()  # every rank alike: they made the same calls
-        history.known[fingerprint] = Known(layout, tuple(dims))
+    known = history.known.get(fingerprint)
+    if known is None or not known.carries or debugging():
+        _probe(layout, group, caller, checksums if known is None else None)
+        if known is None:
+            if len(history.known) >= KNOWN:
+                history.known.clear()  # every rank alike: they made the same calls
+            history.known[fingerprint] = Known(layout, tuple(dims), layout.carries_check(world))
     history.follow(fingerprint)
 
 
@@ -234,7 +237,7 @@ def announce(
     outside the debug mode).
     """
     known = known or _history(group).expected()
-    if known is None or debugging() or not known.layout.carries_check(world):
+    if known is None or debugging() or not known.carries:
         t = torch.tensor([_FAILED_PROBE] * 4, device=comm_device(group))
         with collective(caller):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)

@@ -332,15 +332,14 @@ class Call:
         """
         kind, buckets = self.kind, self.layout.buckets
         wants = _words_of(self.request)[1]
-        bad: Any = None
+        ok: Any = None
         for b, want in wants:
-            got = kind.words_of(buckets[b], landed[b])[-_flags.CHECK :]
-            differs = torch.ne(got, want).any()
-            bad = differs if bad is None else bad.logical_or_(differs)
+            same = torch.eq(kind.words_of(buckets[b], landed[b])[-_flags.CHECK :], want).all()
+            ok = same if ok is None else ok.logical_and_(same)
         if self.error is not None:
             self._named(landed)
         try:  # on a CUDA device, asynchronous: a failure surfaces at the next synchronisation
-            torch._assert_async(bad.logical_not_(), _different(self.request.caller))
+            torch._assert_async(ok, _different(self.request.caller))
         except RuntimeError:  # raised by the assertion alone: the words differ from clean ones
             self._named(landed)
         if self.joining is not None:
