@@ -141,7 +141,6 @@ def test_a_compiled_call_sends_no_probe_and_asserts_its_words_in_the_graph() -> 
     got = s.spawn(["compiled_diverging"], pg_timeout=30.0, deadline=240.0)
     for rank, r in enumerate(got["compiled_diverging"]):
         assert isinstance(r, dict), f"rank {rank}: {r!r}"
-        assert r["warm launches"] == [], f"rank {rank}: eager launches in a compiled call"
         # one all-reduce a graph: its bucket, no probe (the debug mode's) before it
         assert [len(g) for g in r["graphs"]] == [1, 1], r["graphs"]
         outcome = r["diverged"]

@@ -49,7 +49,17 @@ from ._group import forward_ad_level, refuse_traced_transforms
 from ._plans import plan_for
 from ._wire import KINDS, Spec, order_of, replaced
 
-__all__ = ["Pending", "Primitive", "apply", "as_rule", "failed", "held", "needs_rules", "plain"]
+__all__ = [
+    "Pending",
+    "Primitive",
+    "apply",
+    "as_rule",
+    "failed",
+    "held",
+    "needs_rules",
+    "plain",
+    "transposed",
+]
 
 
 
@@ -146,15 +156,7 @@ class Primitive(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         """The transpose of the live tensors' cotangents (zeros where a result was not used)."""
-        grads: list[Any] = [None] * len(cts)
-        live = ctx.live
-        if live:
-            spec = _subset(as_rule(ctx.spec, "backward"), live)
-            inputs = [ctx.inputs[k] for k in live]
-            got = KINDS[spec.options.kind].transpose(spec, [cts[k] for k in live], inputs, apply)
-            for k, g in zip(live, got):
-                grads[k] = g
-        return (None, *grads)
+        return (None, *transposed(ctx.spec, cts, ctx.inputs, ctx.live))
 
     @staticmethod
     def vmap(info: Any, in_dims: tuple[Any, ...], spec: Spec, *tensors: torch.Tensor) -> Any:  # type: ignore[override]
@@ -184,6 +186,21 @@ def as_rule(spec: Spec, rule: str) -> Spec:
 def _tangent(t: Any, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
     """A tangent, zeros where none came: every rank sends all of a call's tensors."""
     return torch.zeros(shape, dtype=dtype, device=device) if t is None else t
+
+
+def transposed(
+    spec: Spec, cts: Sequence[torch.Tensor], inputs: Sequence[Any], ks: Sequence[int]
+) -> list[Any]:
+    """The cotangents of the inputs ``ks`` of a call of ``spec`` (``inputs``: every input's shape
+    and memory order), through its kind's transpose, in one call; ``None`` for the others."""
+    grads: list[Any] = [None] * len(cts)
+    if ks:
+        sub = _subset(as_rule(spec, "backward"), ks)
+        picked = [inputs[k] for k in ks]
+        got = KINDS[sub.options.kind].transpose(sub, [cts[k] for k in ks], picked, apply)
+        for k, g in zip(ks, got):
+            grads[k] = g
+    return grads
 
 
 def _subset(spec: Spec, ks: Sequence[int]) -> Spec:

@@ -54,8 +54,8 @@ from .._torch import is_compiling, transform_level
 from .._tree import describe
 from ._group import ProtocolError, comm_device, forward_ad_level, world_size
 from ._options import Options
-from ._rules import Pending, apply, as_rule, failed, needs_rules, plain
-from ._wire import ALL_GATHER, ALL_REDUCE, KINDS, Spec, order_of, replaced, valid_rows
+from ._rules import Pending, apply, failed, needs_rules, plain, transposed
+from ._wire import ALL_GATHER, ALL_REDUCE, Spec, order_of, replaced, valid_rows
 
 __all__ = ["apply_sharded"]
 
@@ -315,24 +315,8 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        grads: list[Any] = [None] * len(cts)
         wanted = [k for k, need in enumerate(ctx.needs_input_grad[1:]) if need]
-        if wanted:
-            spec = _only(as_rule(ctx.spec, "backward"), wanted)
-            inputs = [ctx.inputs[k] for k in wanted]
-            got = KINDS[spec.options.kind].transpose(spec, [cts[k] for k in wanted], inputs, apply)
-            for k, g in zip(wanted, got):
-                grads[k] = g
-        return (None, *grads)
-
-
-def _only(spec: Spec, ks: Sequence[int]) -> Spec:
-    """``spec`` for its tensors ``ks`` only (all of them: ``spec`` itself)."""
-    if len(ks) == len(spec.paths):
-        return spec
-    whole = None if spec.whole is None else tuple(spec.whole[k] for k in ks)
-    like = None if spec.like is None else tuple(spec.like[k] for k in ks)
-    return replaced(spec, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like)
+        return (None, *transposed(ctx.spec, cts, ctx.inputs, wanted))  # frozen shards: None
 
 
 def _gather(source: Pending | Spec, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
