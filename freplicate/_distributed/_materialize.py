@@ -36,7 +36,7 @@ from .._typing import DeviceSpec
 from ._collectives import shard  # the split every fr.distributed function uses
 from ._dcp import agree
 from ._group import comm_device, world_size
-from ._sharded import unit_names
+from ._units import unit_names
 
 __all__ = ["materialize"]
 
