@@ -210,7 +210,8 @@ def _different_values(layout: Layout, group: Any, caller: str, sums: Sequence[in
                     f"{caller}: the parameters differ across ranks at {paths[i]} (rank 0 and "
                     f"rank {r} differ there): every rank must start from the same values, as "
                     "DistributedDataParallel makes them at construction; broadcast them first "
-                    "(params = fr.distributed.broadcast(params)), or pass check=False"
+                    "(params = fr.distributed.broadcast(params)), or pass check=False; "
+                    f"{_SHARDS_ADVICE}"
                 )
     raise Mismatch(f"{caller}: the parameters differ across ranks")  # pragma: no cover
 
@@ -274,8 +275,56 @@ def exchange(
     everyone = _everyone((caller, layout.description), group, caller)
     for r in range(1, len(everyone)):
         if everyone[r] != everyone[0]:
-            raise Mismatch(f"{caller}: {difference(everyone[0], 0, everyone[r], r)}")
+            advice = f"; {_SHARDS_ADVICE}" if _as_rows(everyone) else ""
+            raise Mismatch(f"{caller}: {difference(everyone[0], 0, everyone[r], r)}{advice}")
     raise Mismatch(f"{caller}: the tree layout differs across ranks")
+
+
+# A gradient step's parameters that differ across ranks may be ZeRO-3's shards, differentiated
+# by the wrong function: apply_sharded's backward reduce-scatters their gradient itself
+_SHARDS_ADVICE = (
+    "if these are this rank's shards of a ZeRO-3 model (fr.distributed.shard's rows, run "
+    "through fr.distributed.apply_sharded), differentiate the loss with fr.grad_and_value or "
+    "loss.backward(), not fr.distributed.grad_and_value: apply_sharded's backward already "
+    "reduce-scatters the gradient to each rank's rows"
+)
+
+
+def _as_rows(everyone: Sequence[Any]) -> bool:
+    """Whether the ranks' gradient layouts differ only as ``fr.distributed.shard``'s rows do.
+
+    The same caller (a gradient step), paths, dtypes and kinds of tensors on every rank, and
+    each tensor's shapes the same but along dim 0, where rank ``r`` holds ``torch.chunk``'s
+    ``r``-th piece of the rows all ranks hold together (at least one tensor split unevenly
+    or not at all alike; a split that divides looks the same on every rank, and is no sign).
+    """
+    callers = {caller for caller, _ in everyone}
+    if len(callers) != 1 or not next(iter(callers)).endswith("grad_and_value"):
+        return False
+    paths = {description[0] for _, description in everyone}
+    rest = {description[2:] for _, description in everyone}
+    sigs = [description[1] for _, description in everyone]
+    if len(paths) != 1 or len(rest) != 1 or len({len(s) for s in sigs}) != 1:
+        return False
+    world, split = len(everyone), False
+    for column in zip(*sigs):
+        if any(s is None for s in column):
+            if any(s is not None for s in column):
+                return False
+            continue
+        shapes = [s[0] for s in column]
+        if any(s[1:] != column[0][1:] for s in column):
+            return False  # dtype, device, layout or memory format differ: not a split
+        if len(set(shapes)) == 1:
+            continue
+        if any(len(shape) == 0 or shape[1:] != shapes[0][1:] for shape in shapes):
+            return False
+        rows = sum(shape[0] for shape in shapes)
+        c = -(-rows // world)
+        if [shape[0] for shape in shapes] != [min(c, max(0, rows - r * c)) for r in range(world)]:
+            return False
+        split = True
+    return split
 
 
 def _everyone(mine: Any, group: Any, caller: str) -> list[Any]:
