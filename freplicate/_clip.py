@@ -262,6 +262,18 @@ def clip_grad_norm(grads: T, max_norm: float, *, norm_type: float = 2.0) -> tupl
     Nothing is modified; the results carry no autograd graph (torch clips
     under ``no_grad``). No host read: compiled, it stays in one graph.
 
+    Sharded gradients (ZeRO-2's ``fr.distributed.grad_and_value(...,
+    shard=True)``, ZeRO-3's through ``fr.distributed.apply_sharded``) need
+    ``fr.distributed.clip_grad_norm``: this function takes the norm of the
+    tree it is given, which for a rank's shards is that rank's part of the
+    norm, smaller than the full gradient's and different on every rank, so
+    the ranks would scale by other factors and their shards drift apart.
+    Nothing in a tensor says it holds a rank's rows, so this function
+    cannot tell and does not raise: choose by what the gradients are.
+    Gradients that every rank holds whole (``fr.distributed.grad_and_value``
+    without ``shard``, ZeRO-1) clip here, bit for bit as DDP's
+    ``clip_grad_norm_``.
+
     >>> import freplicate as fr
     >>> grads = {"w": torch.tensor([[3.0, 0.0]]), "b": torch.tensor([4.0]), "frozen": None}
     >>> clipped, norm = fr.clip_grad_norm(grads, 1.0)

@@ -61,8 +61,11 @@ def clip_grad_norm(
     """Clip sharded gradients to the global norm of the full gradient, as ``clip_grad_norm_``.
 
     ``shards`` are this rank's rows of the gradients (from
-    ``fr.distributed.grad_and_value(..., shard=True)``, or
-    ``fr.distributed.shard`` of reduced ones); the total norm is that of the
+    ``fr.distributed.grad_and_value(..., shard=True)``, the ``.grad`` or
+    ``fr.grad_and_value`` of shards run through
+    ``fr.distributed.apply_sharded``, or ``fr.distributed.shard`` of
+    reduced ones: ``fr.clip_grad_norm`` or ``clip_grad_norm_`` of them
+    would take this rank's part of the norm); the total norm is that of the
     full gradients, the one ``torch.nn.utils.clip_grad_norm_`` computes on
     every rank of DDP, and every shard is scaled by
     ``min(max_norm / (total_norm + 1e-6), 1)`` as torch scales. Each rank
