@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
 import torch
@@ -53,9 +53,13 @@ from .._torch import is_compiling, transform_level
 from .._tree import describe
 from ._group import ProtocolError, comm_device, forward_ad_level, world_size
 from ._options import Options
+from ._precision import Precision, cast, cast_inputs, cast_output, precision_of
 from ._rules import Pending, apply, failed, needs_rules, plain, transposed
 from ._units import Units, units_of
 from ._wire import ALL_GATHER, ALL_REDUCE, Spec, order_of, replaced, valid_rows
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["apply_sharded"]
 
@@ -70,6 +74,7 @@ def apply_sharded(
     units: Sequence[str] | None = None,
     op: str = "mean",
     group: Any = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     **kwargs: Any,
 ) -> tuple[Any, State]:
     """``fr.apply`` for a state of this rank's shards: each unit's parameters gathered as it runs.
@@ -104,6 +109,17 @@ def apply_sharded(
         units: the submodules gathered one at a time (qualified names).
         op: ``"mean"`` or ``"sum"``: how the gradient is reduced over the ranks.
         group: the process group (default: the default group).
+        mp_policy: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
+            with its meaning: each parameter cast to ``param_dtype`` before
+            its gather (the wire carries it) and the forward computed in it,
+            the gradients reduce-scattered in ``reduce_dtype`` (default
+            ``param_dtype``) and given to the shards in their own dtype, the
+            call's floating-point outputs in ``output_dtype``, and (with
+            ``cast_forward_inputs``) the floating-point inputs of the call and
+            of each unit cast to ``param_dtype``: ``fully_shard`` on each unit
+            and on the module, the module's policy with ``output_dtype``
+            (a unit's output is never cast: the next layer computes in
+            ``param_dtype``). ``None``: everything in its own dtype.
         **kwargs: keyword arguments of the forward.
 
     Returns:
@@ -128,19 +144,26 @@ def apply_sharded(
     if not isinstance(module, nn.Module):
         raise TypeError(f"{_CALLER}: module must be an nn.Module, got {describe(module)}")
     check_op(_CALLER, op)
+    precision = precision_of(_CALLER, mp_policy)
     plan = units_of(module, units)
     world = world_size(group, _CALLER)
+    args, kwargs = cast_inputs(precision, args, kwargs)
     if world <= 1:
-        return _apply.apply(module, state, *args, **kwargs)
+        dtype = None if precision is None else precision.param
+        params = {n: cast(t, dtype) for n, t in state.params.items()}
+        out, new = _apply.apply(module, State(params, state.buffers), *args, **kwargs)
+        return cast_output(precision, out), State(state.params, new.buffers)
     _apply.check_bindable(_CALLER, state)
     rank = dist.get_rank(group)
     _check_shards(plan, state.params, rank, world)
     _check_held(module, state.params)
     spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, (), pooled=False)
-    session = _Session(plan, state.params, spec)
+    session = _Session(plan, state.params, spec, precision)
     if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
-        return session.all_at_once(module, state, args, kwargs)
-    return session.unit_by_unit(module, state, args, kwargs)
+        out, new = session.all_at_once(module, state, args, kwargs)
+    else:
+        out, new = session.unit_by_unit(module, state, args, kwargs)
+    return cast_output(precision, out), new
 
 
 _OPTIONS = Options(ALL_GATHER.name, "mean", 25.0, None)
@@ -159,7 +182,9 @@ def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) ->
         )
     for name, t in params.items():
         shape = plan.full[name][0]
-        want = shape if not shape else (valid_rows(-(-shape[0] // world), shape[0], rank), *shape[1:])
+        want = (
+            shape if not shape else (valid_rows(-(-shape[0] // world), shape[0], rank), *shape[1:])
+        )
         if t is not None and tuple(t.shape) != want:
             raise ValueError(
                 f"{_CALLER}: state.params[{name!r}] must be rank {rank}'s rows of the parameter "
@@ -203,41 +228,80 @@ class _Gathered(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(source: Pending | Spec, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        source: Pending | Spec, precision: Precision | None, *shards: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         if isinstance(source, Pending):
             return tuple(source.finish())
-        return tuple(plain(source, shards))
+        return tuple(plain(source, _on_wire(precision, shards)))
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        source, *shards = inputs
+        source, precision, *shards = inputs
         ctx.spec = source.spec if isinstance(source, Pending) else source
         ctx.inputs = [(tuple(t.shape), order_of(t)) for t in shards]
-        ctx.mark_non_differentiable(*(o for o in output if not (o.is_floating_point() or o.is_complex())))
+        ctx.reduce = None if precision is None else precision.wire
+        ctx.dtypes = [t.dtype for t in shards]
+        ctx.mark_non_differentiable(
+            *(o for o in output if not (o.is_floating_point() or o.is_complex()))
+        )
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        wanted = [k for k, need in enumerate(ctx.needs_input_grad[1:]) if need]
-        return (None, *transposed(ctx.spec, cts, ctx.inputs, wanted))  # frozen shards: None
+        wanted = [k for k, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        cts = tuple(cast(c, ctx.reduce) for c in cts)  # the policy's reduce_dtype on the wire
+        grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
+        return (None, None, *(cast(g, d) for g, d in zip(grads, ctx.dtypes)))
 
 
-def _gather(source: Pending | Spec, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def _on_wire(precision: Precision | None, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The shards as their gather sends them: in the policy's ``param_dtype`` (no graph)."""
+    if precision is None or precision.param is None:
+        return list(shards)
+    return [cast(t.detach(), precision.param) for t in shards]
+
+
+def _gather(
+    source: Pending | Spec, shards: Sequence[torch.Tensor], precision: Precision | None
+) -> list[torch.Tensor]:
     """The gather of ``shards`` (started: ``source`` a ``Pending``; or now, of ``source``'s
     spec), through ``_Gathered`` where autograd reaches them, plainly where it does not."""
-    if isinstance(source, Spec) and forward_ad_level():  # a tangent: the primitive's rules
-        return apply(source, shards)
+    if isinstance(source, Spec) and (is_compiling() or forward_ad_level()):
+        return apply(source, _ruled(precision, shards))  # traced, or a tangent: the rules
     if needs_rules(shards, _CALLER):
-        return list(_Gathered.apply(source, *shards))
-    return source.finish() if isinstance(source, Pending) else plain(source, shards)
+        return list(_Gathered.apply(source, precision, *shards))
+    return (
+        source.finish()
+        if isinstance(source, Pending)
+        else plain(source, _on_wire(precision, shards))
+    )
+
+
+def _ruled(precision: Precision | None, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """The shards cast (differentiably) for a gather through the primitive's own rules, whose
+    transpose reduces in the dtype sent: refused where the policy reduces in another."""
+    if precision is None or precision.param is None:
+        return list(shards)
+    if precision.wire != precision.param:
+        raise NotImplementedError(
+            f"{_CALLER}: mp_policy with reduce_dtype={precision.reduce} other than "
+            f"param_dtype={precision.param} runs eagerly only: under torch.compile, a "
+            "torch.func transform, forward-mode AD or inference mode the gather's transpose "
+            "reduces in the dtype it sent (give reduce_dtype=None or param_dtype there)"
+        )
+    return [cast(t, precision.param) for t in shards]
 
 
 class _Session:
     """One call of ``apply_sharded``: its gathers, their prefetch, and its saved-tensor tokens."""
 
-    def __init__(self, plan: Units, shards: dict[str, Any], spec: Spec) -> None:
+    def __init__(
+        self, plan: Units, shards: dict[str, Any], spec: Spec, precision: Precision | None
+    ) -> None:
         self.plan = plan
         self.shards = shards
         self.spec = spec
+        self.precision = precision
         self.pending: dict[str, Pending] = {}
         self.started: set[str] = set()  # the units whose gather this call started (eagerly)
         self.order: list[str] = []  # the units as they ran (the backward pass runs them back)
@@ -265,7 +329,8 @@ class _Session:
         """Start ``unit``'s gather now (a prefetch), unless it is in flight already."""
         names = self._names(unit)
         if names and unit not in self.pending:
-            self.pending[unit] = Pending(self._spec(names), [self.shards[n] for n in names])
+            wire = _on_wire(self.precision, [self.shards[n] for n in names])
+            self.pending[unit] = Pending(self._spec(names), wire)
             self.started.add(unit)
 
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
@@ -275,7 +340,7 @@ class _Session:
             return {}
         self.kept = None  # a unit after the last one: the last is not the backward's first
         self.start(unit)
-        full = _gather(self.pending.pop(unit), [self.shards[n] for n in names])
+        full = _gather(self.pending.pop(unit), [self.shards[n] for n in names], self.precision)
         self._track(unit, full)
         following = self._following(unit)
         if following is not None:
@@ -365,7 +430,8 @@ class _Session:
         names = tuple(n for n in self.plan.outside if self.shards.get(n) is not None)
         if not names:
             return iter(())
-        return zip(names, _gather(self._spec(names), [self.shards[n] for n in names]))
+        shards = [self.shards[n] for n in names]
+        return zip(names, _gather(self._spec(names), shards, self.precision))
 
     def around(self, where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
         """Wrap each unit's copy: its parameters bound for its forward only."""
@@ -420,9 +486,10 @@ class _Session:
             shards = [self.shards[n] for n in names]
             pending = self.pending.pop(unit, None)
             if torch.is_grad_enabled():  # a graph to keep (create_graph, a recomputation)
-                full = _gather(pending or self._spec(names), shards)
+                full = _gather(pending or self._spec(names), shards, self.precision)
             else:
-                full = (pending or Pending(self._spec(names), shards)).finish()
+                wire = _on_wire(self.precision, shards)
+                full = (pending or Pending(self._spec(names), wire)).finish()
             got = (_bases(full), dict(zip(names, full)))
         self.again = {unit: got}
         if not torch.is_grad_enabled():
@@ -445,7 +512,8 @@ class _Session:
         for unit in self.plan.names:
             names = self._names(unit)
             if names:
-                values.update(zip(names, apply(self._spec(names), [self.shards[n] for n in names])))
+                shards = _ruled(self.precision, [self.shards[n] for n in names])
+                values.update(zip(names, apply(self._spec(names), shards)))
         out, new = _apply.apply(module, State(values, state.buffers), *args, **kwargs)
         return out, State(state.params, new.buffers)
 
@@ -470,6 +538,7 @@ def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> N
     saved = [(m, key, m._parameters[key]) for m, key, _ in places]
 
     def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_inputs(session.precision, args, kwargs)  # as fully_shard(unit) does
         full = session.gather(unit)
         for m, key, name in places:
             m._parameters[key] = full[name]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable, Iterable, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import optree
 import torch
@@ -35,8 +35,12 @@ from ._collectives import collect, run
 from ._group import world_size
 from ._options import Options, check_weighted, reduction, weight_value
 from ._plans import Plan, plan_of
+from ._precision import around, precision_of, wire_compress
 from ._rules import needs_rules
 from ._wire import ALL_REDUCE, REDUCE_SCATTER, Spec, replaced
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 __all__ = ["Step", "grad_and_value"]
 
@@ -67,11 +71,14 @@ class Step:
         check: bool = True,
         weight: Callable[..., Any] | None = None,
         shard: bool = False,
+        mp_policy: MixedPrecisionPolicy | None = None,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"{_CALLER}: fn must be callable, got {type(fn).__name__}")
         kind = REDUCE_SCATTER if shard else ALL_REDUCE
-        options = reduction(_CALLER, kind, op, bucket_cap_mb, compress)
+        precision = precision_of(_CALLER, mp_policy)
+        wire = wire_compress(_CALLER, precision, compress)
+        options = reduction(_CALLER, kind, op, bucket_cap_mb, wire)
         self.options: Options = options._replace(overlap=True)  # its buckets fill in a backward
         if isinstance(argnums, bool) or not isinstance(argnums, int):
             raise TypeError(f"{_CALLER}: argnums must be an int, got {argnums!r}")
@@ -93,7 +100,10 @@ class Step:
         self.check = check
         self.weight = weight
         self.shard = shard
-        self.local = differentiate(fn, argnums=argnums, has_aux=has_aux, caller=_CALLER)
+        self.mp_policy = mp_policy
+        #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
+        self.run = fn if precision is None else around(fn, precision, argnums)
+        self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
 
@@ -287,7 +297,9 @@ class Step:
         if acc.leaves is not None:
             send = replaced(send, acc=acc.leaves, alpha=1.0 if w is None else w)
         if w is not None:  # the sum is weighted already; the last one is weighted as it is added
-            send = replaced(send, scale=None if acc.leaves is not None else w, weight=acc.weight + w)
+            send = replaced(
+                send, scale=None if acc.leaves is not None else w, weight=acc.weight + w
+            )
         attempt = Attempt()
         n = self.argnums % len(args)
         try:
@@ -312,7 +324,7 @@ class Step:
         """The step's gradients into ``call``'s buckets: from the backward pass where it can."""
         plan = call.request.plan
         if call.eager and _overlaps(plan):
-            what = Differentiated(self.fn, self.has_aux, _CALLER)
+            what = Differentiated(self.run, self.has_aux, _CALLER)
             return overlapped(what, call, send, args, kwargs, n, leaves, attempt)
         grads, value = self.local(*args, **kwargs)
         flat = _leaves_of(grads)
@@ -637,6 +649,7 @@ def grad_and_value(
     check: bool = True,
     weight: Callable[..., Any] | None = None,
     shard: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> Step:
     """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
 
@@ -705,6 +718,18 @@ def grad_and_value(
             one-element tensor, read back to the host), for a weighted mean
             (``op="mean"`` only); give one on every rank or on none.
         shard: ``True`` for this rank's shards of the gradients (ZeRO-2).
+        mp_policy: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``
+            for the step: the differentiated tree cast to ``param_dtype``
+            inside the step (so ``fn`` computes in it and each gradient
+            comes back in its leaf's own dtype), and the gradients reduced
+            in ``reduce_dtype`` (default ``param_dtype``; float32, bfloat16
+            or float16). The other arguments are left as they are (a step
+            cannot tell a module's inputs from a loss's targets, so
+            ``cast_forward_inputs`` is for ``fn`` to do: ``fr.apply(model,
+            fr.State(p, {}), x.to(torch.bfloat16))``). With ``shard=True``
+            that is FSDP2's mixed precision for a ZeRO-2 step. No
+            ``output_dtype`` (a step has no module) and no ``compress`` that
+            says another dtype.
 
     Returns:
         A ``Step``: ``g(*args) -> (grads, value)``, with the methods
@@ -745,4 +770,5 @@ def grad_and_value(
         check=check,
         weight=weight,
         shard=shard,
+        mp_policy=mp_policy,
     )
