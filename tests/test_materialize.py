@@ -94,7 +94,7 @@ def test_zero2_from_the_meta_device_is_zero2_from_the_cpu_model(job):
 MISTAKES = {
     "generators": r"materialize: the random generator differs between rank 0 and rank 1, so their "
     r"draws would differ; seed every rank alike",
-    "units": r"materialize: the module, units or seed differ between rank 0 and rank 1",
+    "units": r"materialize: the module, units, seed or init differ between rank 0 and rank 1",
     "one_rank_wrong": r"materialize: units \['x'\] are not submodules of the module",
 }
 
@@ -196,7 +196,9 @@ def test_what_cannot_be_made_raises_and_says_what_to_do():
         lazy = nn.LazyLinear(3)
     raises(
         ValueError,
-        r"materialize: scale is left unset \(NaN\) by the resets of its unit: give Unset a reset_parameters\(\)",
+        r"materialize: scale is left unset \(NaN\) by the resets \(and init\) of its unit: pass init= "
+        r"a function that sets it \(a Hugging Face model's own: init=model._init_weights\), give Unset "
+        r"a reset_parameters\(\)",
         materialize,
         unset,
     )

@@ -10,7 +10,10 @@ model on the device: each module's ``reset_parameters`` (torch's
 in module order, which is the order in which an ``__init__`` that builds
 its submodules and then calls ``self.reset_parameters()`` draws; or, with
 ``seed=``, each module's under a generator of its own, seeded from the seed
-and its name.
+and its name. ``init=`` adds a function run on each module after its reset
+(a Hugging Face model's ``_init_weights``), under the same generator: the
+way to make modules that have no reset of their own (``LlamaRMSNorm``) and
+buffers made in ``__init__`` (the rotary ``inv_freq``).
 
 What a reset must not do, it cannot do silently: a tensor it leaves unset
 (NaN until set) raises, and a tensor of a module outside what is being made
@@ -22,7 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -50,6 +53,7 @@ def materialize(
     units: Sequence[str] | None = None,
     seed: int | None = None,
     device: DeviceSpec | None = None,
+    init: Callable[[nn.Module], Any] | None = None,
 ) -> State:
     """This rank's shards of ``module``'s parameters, and its buffers whole, made by the module's own initialisation.
 
@@ -71,7 +75,14 @@ def materialize(
     ``torch.manual_seed(s); materialize(meta_model)`` equals
     ``torch.manual_seed(s); fr.distributed.shard(fr.state(build()))`` bit for
     bit, and leaves the generator where building it would. Every rank's
-    generator must be alike (checked). Not reproduced: draws an ``__init__``
+    generator must be alike (checked). With ``init=``, each module's reset is
+    followed by ``init(module)``, drawing from the same generator: a Hugging
+    Face model is made as its ``post_init`` makes it (each module's reset,
+    then its ``_init_weights``) with ``init=model._init_weights``, and
+    ``torch.manual_seed(s); materialize(meta_model, init=f)`` equals the
+    model built on the CPU and then, after ``torch.manual_seed(s)``, every
+    module's reset and ``f`` run in the same order (each module after its
+    submodules). Not reproduced: draws an ``__init__``
     makes outside ``reset_parameters`` (a ``torch.randn`` in ``__init__``),
     modules that copy a submodule instead of building it
     (``nn.TransformerEncoder(layer, n)`` starts its ``n`` layers equal),
@@ -98,18 +109,29 @@ def materialize(
             int (each module's reset seeded from it and the module's name).
         device: where the tensors are made (default: the group's device: the
             CPU for gloo or without a group, the current CUDA device for NCCL).
+        init: ``None``, or a function run on every module (a copy of it, its
+            tensors on ``device``) after the module's reset, under no_grad and
+            the same generator; what it sets wins. For modules without a
+            ``reset_parameters`` (``LlamaRMSNorm``) and buffers made in
+            ``__init__`` (a rotary embedding's ``inv_freq``): a Hugging Face
+            model's own, ``init=model._init_weights``. To run it only where a
+            module has no reset: ``init=lambda m: None if hasattr(m,
+            "reset_parameters") else model._init_weights(m)``. Every rank
+            must pass the same function (its name is checked).
 
     Returns:
         ``fr.State(params, buffers)`` keyed as ``fr.state(module)``: this
         rank's rows of each parameter (fresh tensors) and each buffer whole.
 
     Raises:
-        TypeError: a bad ``module``, ``units``, ``seed``, ``device`` or ``group``.
+        TypeError: a bad ``module``, ``units``, ``seed``, ``device``, ``init`` or ``group``.
         ValueError: a unit that is not a submodule; a lazy parameter; a module
             holding an integer or bool tensor without a ``reset_parameters``;
-            a reset that leaves a floating-point tensor unset or uses a tensor
-            of another unit (naming it); modules, units, seeds or generators
-            that differ across ranks (on every rank).
+            a reset (or ``init``) that leaves a floating-point tensor unset or
+            uses a tensor of another unit (naming it: a buffer no reset makes,
+            such as a rotary ``inv_freq``, by its qualified name); modules,
+            units, seeds, ``init`` or generators that differ across ranks (on
+            every rank).
 
     Examples:
         >>> with torch.device("meta"):
@@ -131,9 +153,15 @@ def materialize(
         plan = _Plan(module, units)
         if seed is not None:
             check_int(_CALLER, "seed", seed)
+        if init is not None and not callable(init):
+            raise TypeError(
+                f"{_CALLER}: init must be a function of a module (such as a Hugging Face "
+                f"model's _init_weights) or None, got {describe(init)}"
+            )
         where = comm_device(group) if device is None else _device(device)
         generator = _generator(where) if seed is None else None
-        report: Any = ("ok", (plan.layout, sorted(plan.units), seed, generator))
+        how = (seed, None if init is None else getattr(init, "__qualname__", type(init).__name__))
+        report: Any = ("ok", (plan.layout, sorted(plan.units), how, generator))
     except Exception as err:
         report, failed = (type(err).__name__, str(err)), err
     _check_alike(agree(report, group, world, failed))
@@ -141,7 +169,7 @@ def materialize(
     def rows(full: torch.Tensor) -> torch.Tensor:
         return full if world == 1 else shard(full, group=group).clone()
 
-    return _make(plan, where, seed, rows)
+    return _make(plan, where, seed, rows, init)
 
 
 # --- the plan: who holds what, which unit makes it --------------------------------------
@@ -244,8 +272,8 @@ def _check_alike(ranks: list[Any]) -> None:
     for r, (layout, units, seed, generator) in enumerate(ranks):
         if (layout, units, seed) != ranks[0][:3]:
             raise ValueError(
-                f"{_CALLER}: the module, units or seed differ between rank 0 and rank {r}; "
-                "every rank must make the same module alike"
+                f"{_CALLER}: the module, units, seed or init differ between rank 0 and rank "
+                f"{r}; every rank must make the same module alike"
             )
         if generator != ranks[0][3]:
             raise ValueError(
@@ -276,7 +304,7 @@ def _device(device: Any) -> torch.device:
 # --- making: a copy of each unit, its resets in post-order -----------------------------------
 
 
-def _make(plan: _Plan, device: torch.device, seed: int | None, rows: Any) -> State:
+def _make(plan: _Plan, device: torch.device, seed: int | None, rows: Any, init: Any) -> State:
     """Every module's reset in post-order, each unit on a copy of its own, kept as it closes."""
     made = State({}, {})
     open_: dict[str, _Copy] = {}
@@ -284,13 +312,13 @@ def _make(plan: _Plan, device: torch.device, seed: int | None, rows: Any) -> Sta
         unit = plan.item[id(m)]
         if unit is None:
             alone = _Copy(plan, m, {id(m)}, device)
-            _reset(alone.of(m), name, seed, device)
+            _reset(alone.of(m), name, seed, device, init)
             alone.keep(made, rows)
             continue
         if unit not in open_:
             members = {i for i, u in plan.item.items() if u == unit}
             open_[unit] = _Copy(plan, plan.roots[unit], members, device)
-        _reset(open_[unit].of(m), name, seed, device)
+        _reset(open_[unit].of(m), name, seed, device, init)
         if name == unit:
             open_.pop(unit).keep(made, rows)
     return State(
@@ -340,7 +368,9 @@ class _Copy:
                 value = _held(mine, attr).detach()
                 if (value.is_floating_point() or value.is_complex()) and bool(value.isnan().any()):
                     raise ValueError(
-                        f"{_CALLER}: {name} is left unset (NaN) by the resets of its unit: give "
+                        f"{_CALLER}: {name} is left unset (NaN) by the resets (and init) of its "
+                        "unit: pass init= a function that sets it "
+                        "(a Hugging Face model's own: init=model._init_weights), give "
                         f"{type(m).__name__} a reset_parameters() that sets every tensor it holds, "
                         "or name in units a module whose reset sets it together with it"
                     )
@@ -379,22 +409,33 @@ def _stand_in(t: torch.Tensor, name: str) -> torch.Tensor:
     return s
 
 
-def _reset(m: nn.Module, name: str, seed: int | None, device: torch.device) -> None:
-    """``m``'s reset, under no_grad: from the global generator, or one seeded from its name."""
+def _reset(m: nn.Module, name: str, seed: int | None, device: torch.device, init: Any) -> None:
+    """``m``'s reset, then ``init(m)``, under no_grad: from the global generator, or one seeded
+    from its name."""
     reset = _reset_of(m)
-    if reset is None:
+    if reset is None and init is None:
         return
+    running = reset.__name__ if reset is not None else "init"
+
+    def both() -> None:
+        nonlocal running
+        if reset is not None:
+            reset()
+        if init is not None:
+            running = "init"
+            init(m)
+
     try:
         with torch.no_grad():
             if seed is None:
-                reset()
+                both()
                 return
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 _seed(device, _seed_of(seed, name))
-                reset()
+                both()
     except _Touched as touched:
         raise ValueError(
-            f"{_CALLER}: the {reset.__name__}() of {name or 'the module'} ({type(m).__name__}) "
+            f"{_CALLER}: the {running}() of {name or 'the module'} ({type(m).__name__}) "
             f"uses {touched.args[0]}, which is made apart from it: list {name!r} (or a module "
             "above it) in units, so that they are made together"
         ) from None

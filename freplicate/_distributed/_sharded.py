@@ -83,11 +83,16 @@ def apply_sharded(
     (``fr.distributed.shard(fr.state(model).params)``), ``state.buffers``
     whole; ``module`` supplies the full shapes (it may live on the ``meta``
     device: its own tensors are not read). Each unit (a submodule, named as
-    ``named_modules()`` names it; by default each direct child that holds
-    parameters) has its full parameters all-gathered just before its forward
-    and released after it; parameters outside every unit are gathered for the
-    whole call. The all-gather is differentiable: the gradient reaching
-    ``state.params`` is this rank's rows of the full gradient reduced over
+    ``named_modules()`` names it; by default one per block of each container
+    of repeated blocks, such as a ``ModuleList`` of decoder layers, and the
+    modules beside the blocks that hold parameters, each a unit: each direct
+    child that holds parameters in a model without repeated blocks; a
+    ``UserWarning`` when one default unit holds most of the parameters) has
+    its full parameters all-gathered just before its forward and released
+    after it; parameters outside every unit, and those reachable from two
+    units (tied, or of a module both hold), are gathered for the whole call.
+    The all-gather is differentiable: the gradient reaching ``state.params``
+    is this rank's rows of the full gradient reduced over
     the ranks (``op="mean"``, DDP's average, or ``"sum"``), a reduce-scatter.
     Output, new buffers and gradients equal ``fr.apply`` on
     ``all_gather(state.params, like)`` followed by ``reduce_scatter`` of the
@@ -129,7 +134,8 @@ def apply_sharded(
     Raises:
         TypeError: a bad ``units`` or ``state``; ``module`` not an nn.Module.
         ValueError: a bad ``op``; a unit that is not a submodule; a shard whose
-            shape is not this rank's rows of the parameter (naming its path).
+            shape is not this rank's rows of the parameter (naming its path); a
+            meta parameter or buffer of ``module`` the state leaves out (naming it).
         KeyError: ``state`` names a parameter the module does not have.
         RuntimeError: a unit's parameter used outside the unit's forward
             (naming it); a collective's failure, as for every fr.distributed call.
@@ -156,7 +162,7 @@ def apply_sharded(
     _apply.check_bindable(_CALLER, state)
     rank = dist.get_rank(group)
     _check_shards(plan, state.params, rank, world)
-    _check_held(module, state.params)
+    _check_held(module, state)
     spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, (), pooled=False)
     session = _Session(plan, state.params, spec, precision)
     if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
@@ -193,13 +199,22 @@ def _check_shards(plan: Units, params: dict[str, Any], rank: int, world: int) ->
             )
 
 
-def _check_held(module: nn.Module, params: dict[str, Any]) -> None:
-    """A parameter the state leaves out falls back to the module's own: not a meta one."""
-    missing = [n for n, p in module.named_parameters() if n not in params and p.is_meta]
+def _check_held(module: nn.Module, state: State) -> None:
+    """A tensor the state leaves out falls back to the module's own: not a meta one."""
+    missing = [n for n, p in module.named_parameters() if n not in state.params and p.is_meta]
     if missing:
         raise ValueError(
             f"{_CALLER}: state.params leaves out {missing}, whose module tensors are on the meta "
             "device (no values): give their shards in the state"
+        )
+    absent = [n for n, b in module.named_buffers() if n not in state.buffers and b.is_meta]
+    if absent:
+        raise ValueError(
+            f"{_CALLER}: state.buffers leaves out {absent}, whose module tensors are on the meta "
+            "device (no values; a model built under torch.device('meta') holds the buffers its "
+            "__init__ computes, a rotary embedding's inv_freq, there too): give them in the "
+            "state, from fr.distributed.materialize(model, init=...) (a Hugging Face model's: "
+            "init=model._init_weights) or fr.state(model).buffers of the model built on a device"
         )
 
 

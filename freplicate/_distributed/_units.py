@@ -4,10 +4,22 @@ A unit is a submodule whose forward ``apply_sharded`` wraps: its full
 parameters are all-gathered just before that forward and released after it;
 the parameters of no unit are gathered for the whole call. ``materialize``
 reads a ``units=`` argument the same way.
+
+The default follows the model: a container of repeated blocks (an
+``nn.ModuleList`` or ``nn.Sequential`` whose members holding parameters are
+two or more of one class, as Hugging Face's and torchtitan's decoder layers
+are) gives one unit per block, wherever it sits; the modules beside it
+that hold parameters (an embedding, a final norm, an output head) are
+units of their own, found the same way, so that only the parameters a
+module holds directly on the way down to the blocks are outside every
+unit. A parameter reachable from two units (tied by assignment, or held by
+a module both reach) is outside every unit: gathered once for the call.
 """
 
 from __future__ import annotations
 
+import math
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
@@ -35,10 +47,18 @@ class Units(NamedTuple):
 
 _UNITS: weakref.WeakKeyDictionary[nn.Module, dict[Any, Units]] = weakref.WeakKeyDictionary()
 register(_UNITS.clear)
+#: the model structures already warned about (a unit holding most of the parameters)
+_WARNED: set[Any] = set()
+register(_WARNED.clear)
+#: a default unit holding more than this share of the parameters is warned about
+LOPSIDED = 0.5
 
 
 def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALLER) -> Units:
-    """``module``'s units (default: each direct child holding parameters), cached per module.
+    """``module``'s units (default: one per repeated block, see the module), cached per module.
+
+    With the default units, a unit holding most of the parameters is warned
+    about, once per model structure.
 
     Raises:
         TypeError: ``units`` is not a list of names.
@@ -49,6 +69,8 @@ def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALL
     found = cached.get(key)
     if found is None:
         found = cached[key] = _cut(module, unit_names(module, units, caller))
+        if units is None:
+            _warn_lopsided(module, found, caller)
     return found
 
 
@@ -57,6 +79,11 @@ def unit_names(module: nn.Module, units: Any, caller: str, *, run: bool = True) 
 
     ``run``: the units must run a forward of their own (``apply_sharded``
     gathers around it), which a container does not.
+
+    >>> blocks = nn.Sequential(*(nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)))
+    >>> net = nn.Sequential(nn.Embedding(9, 4), blocks, nn.Linear(4, 9))
+    >>> unit_names(net, None, "f")  # a unit per block; the modules beside them, units too
+    ('0', '1.0', '1.1', '2')
     """
     names = [n for n, _ in module.named_modules()]
     if units is None:
@@ -87,36 +114,95 @@ def _container(m: nn.Module) -> bool:
     return type(m).forward is nn.Module.forward
 
 
-def _default_units(module: nn.Module, prefix: str) -> Iterator[str]:
-    """Each direct child holding parameters; a container's members in its place."""
+def _holds(m: nn.Module) -> bool:
+    return any(True for _ in m.parameters())
+
+
+def _repeated(m: nn.Module) -> bool:
+    """A container of repeated blocks: two or more members, all of one class, each holding
+    parameters and submodules (decoder layers; not ``nn.Sequential(Linear, ReLU, Linear)``)."""
+    if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+        return False
+    members = list(m.children())
+    return (
+        len(members) >= 2
+        and len({type(c) for c in members}) == 1
+        and all(_holds(c) and any(True for _ in c.children()) for c in members)
+    )
+
+
+def _default_units(module: nn.Module, prefix: str, seen: set[int] | None = None) -> Iterator[str]:
+    """Each direct child holding parameters; in place of a container (one without a forward,
+    or of repeated blocks) its members, and in place of a module with repeated blocks
+    somewhere inside, its children found the same way. A module reached twice counts under its
+    first name (``named_modules()``'s)."""
+    seen = {id(module)} if seen is None else seen
     for name, child in module.named_children():
-        if not any(True for _ in child.parameters()):
+        if id(child) in seen or not _holds(child):
             continue
+        seen.add(id(child))
         qualified = f"{prefix}{name}"
-        if _container(child):
-            yield from _default_units(child, qualified + ".")
+        if _container(child) or _repeated(child) or any(map(_repeated, child.modules())):
+            yield from _default_units(child, qualified + ".", seen)
         else:
             yield qualified
 
 
 def _cut(module: nn.Module, names: tuple[str, ...]) -> Units:
-    """Each parameter to the innermost unit holding its module.
+    """Each parameter to the innermost unit on every path that reaches it, or outside.
 
-    A parameter tied across units (an embedding and the output head) is
-    gathered once for the whole call, as one outside every unit: its
-    gradients from both places then add up before its one reduce-scatter,
-    as DDP adds them before its all-reduce (bit for bit).
+    A parameter reached from two units, tied across them (an embedding and
+    the output head) or held by a module both reach (one ``nn.Linear`` in
+    two blocks), is gathered once for the whole call, as one outside every
+    unit: its gradients from both places then add up before its one
+    reduce-scatter, as DDP adds them before its all-reduce (bit for bit).
+    A unit reached under two names (one block twice in a list) is one unit,
+    gathered each time it runs.
     """
     layout = _apply._Layout(_apply._modules(module))
+    index = {prefix[:-1]: i for i, prefix in enumerate(layout.prefixes)}
+    unit_at = {index[u]: u for u in names}
     where: dict[str, set[str | None]] = {}
-    for i, _, name in layout.param_slots:
-        at = layout.prefixes[i][:-1]
-        inside = [u for u in names if u == "" or at == u or at.startswith(u + ".")]
-        where.setdefault(name, set()).add(max(inside, key=len) if inside else None)
+    stack: list[tuple[int, tuple[int, ...], str | None]] = [(0, (0,), unit_at.get(0))]
+    while stack:  # every path from the root that repeats no module, as _Layout walks them
+        i, path, unit = stack.pop()
+        for name in layout.held[i].values():
+            if name in layout.param_names:
+                where.setdefault(name, set()).add(unit)
+        for _, j in layout.children[i]:
+            if j not in path:
+                stack.append((j, (*path, j), unit_at.get(j, unit)))
     gathers: dict[str, list[str]] = {u: [] for u in names}
     outside: list[str] = []
-    for name, held in where.items():
-        (gathers[next(iter(held))] if len(held) == 1 and None not in held else outside).append(name)  # type: ignore[index]
     own = dict(module.named_parameters())
+    for name in own:
+        held = where[name]
+        (gathers[next(iter(held))] if len(held) == 1 and None not in held else outside).append(name)  # type: ignore[index]
     full = {n: (tuple(p.shape), order_of(p)) for n, p in own.items()}
     return Units(names, {u: tuple(v) for u, v in gathers.items()}, tuple(outside), full)
+
+
+def _warn_lopsided(module: nn.Module, plan: Units, caller: str) -> None:
+    """A ``UserWarning`` when one default unit holds most of the parameters and has submodules
+    that hold parameters, which could be units of their own (once per model structure)."""
+    sizes = {n: math.prod(shape) for n, (shape, _) in plan.full.items()}
+    total = sum(sizes.values())
+    held = {u: sum(sizes[n] for n in names) for u, names in plan.gathers.items()}
+    unit = max(held, key=held.__getitem__, default=None)
+    if unit is None or not total or held[unit] <= LOPSIDED * total:
+        return
+    if not any(map(_holds, module.get_submodule(unit).children())):
+        return  # one layer (a Linear) holding most: no smaller unit to name
+    structure = (type(module), tuple((n, shape) for n, (shape, _) in plan.full.items()))
+    if structure in _WARNED:
+        return
+    _WARNED.add(structure)
+    warnings.warn(
+        f"{caller}: the default unit {unit or '(the whole module)'!r} holds "
+        f"{held[unit] / total:.0%} of the parameters ({held[unit]:,} of {total:,}), all gathered "
+        "at once, so sharding saves little memory there: pass units= the qualified names of "
+        "smaller submodules that run a forward of their own (as named_modules() names them, "
+        "such as a ModuleList's blocks, [f'layers.{i}' for i in range(n)])",
+        UserWarning,
+        stacklevel=4,
+    )
