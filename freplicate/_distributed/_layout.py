@@ -29,7 +29,7 @@ import torch
 from .._pack import group_by
 from . import _flags
 from ._options import Options
-from ._wire import KINDS, Bucket, Kind, Run, aligned
+from ._wire import KINDS, Bucket, Kind, Run, adds_as_bits, aligned, carrier
 
 __all__ = [
     "FIRST_BUCKET_BYTES",
@@ -123,8 +123,10 @@ def build(
 
     Raises:
         TypeError: a tensor that cannot travel (a layout other than strided
-            or, in a reduction, sparse COO; the meta device), or an integer
-            or bool tensor in a mean, named by its path.
+            or, in a reduction, sparse COO; the meta device; a dtype the
+            backend carries in no form, or, in a reduction, one it cannot
+            add: float8 on gloo), or an integer or bool tensor in a mean,
+            named by its path.
     """
     unique = _unique(tree)
     public = options.collective
@@ -132,13 +134,13 @@ def build(
     kind = public.on(backend, nbytes)
     sigs = tuple(_tensor_sig(tree.sigs[i], kind) for i in unique)
     whole = tuple(tree.whole) if tree.whole is not None else tuple(not s[0] for s in sigs)
-    _check(sigs, [tree.paths[i] for i in unique], options, caller)
+    _check(sigs, [tree.paths[i] for i in unique], options, caller, backend)
     chunks = kind.chunks(world)
     sparse = tuple(k for k, s in enumerate(sigs) if s[3] == torch.sparse_coo)
     local = tuple(k for k in range(len(sigs)) if kind.gathers and whole[k])
     outside = set(sparse) | set(local)
     dense = [k for k in range(len(sigs)) if k not in outside]
-    cuts = _cuts(sigs, dense[::-1], options, kind, chunks)
+    cuts = _cuts(sigs, dense[::-1], options, kind, chunks, backend)
     made = [
         _bucket(sigs, whole, members, comm, _flags.extra(b, len(cuts) - 1), (chunks, world), kind)
         for b, (members, comm) in enumerate(cuts)
@@ -196,14 +198,18 @@ def _description(
 
 
 def _words_only(device: torch.device, chunks: int) -> Bucket:
-    """A bucket of flag words only (a call without dense tensors)."""
+    """A bucket of flag words only (a call without dense tensors: sparse ones, or only tensors
+    an all-gather leaves where they are), cut as every bucket is: no run, no padding, the words."""
     f = _flags.FIRST
-    return Bucket((), (), torch.float32, torch.float32, device, False, f, f, chunks, (f,))
+    return Bucket((), (), torch.float32, torch.float32, device, False, f, f, chunks, (0, f))
 
 
-def _check(sigs: Sequence[Sig], paths: Sequence[str], options: Options, caller: str) -> None:
+def _check(
+    sigs: Sequence[Sig], paths: Sequence[str], options: Options, caller: str, backend: str
+) -> None:
     kind = options.collective
     for (_, dtype, device, layout, _), path in zip(sigs, paths):
+        _check_dtype(dtype, path, kind, caller, backend)
         if layout != torch.strided and not (layout == torch.sparse_coo and kind.takes_sparse):
             dense = "" if kind.takes_sparse else f" (a {kind.name} takes dense tensors only)"
             raise TypeError(
@@ -226,17 +232,43 @@ def _check(sigs: Sequence[Sig], paths: Sequence[str], options: Options, caller: 
             )
 
 
-def _comm(dtype: torch.dtype, options: Options) -> torch.dtype:
-    """The dtype a bucket of ``dtype`` tensors travels in."""
+def _check_dtype(dtype: torch.dtype, path: str, kind: Kind, caller: str, backend: str) -> None:
+    """A dtype the backend cannot carry raises, named with its path, before any data moves: one
+    it has no same-size integer for, or one whose bytes it carries but whose sum it cannot make
+    (float8 on gloo): a gather or a broadcast copies its bytes, a reduction would add them."""
+    bits = carrier(dtype, backend)
+    if bits is None:
+        raise TypeError(
+            f"{caller}: the tensor at {path} is {dtype}, which the {backend} backend cannot "
+            f"carry (it has no {8 * dtype.itemsize}-bit integer to send its bytes as); convert it "
+            "(e.g. .to(torch.int32)) or keep it out of the tree"
+        )
+    if bits != dtype and kind.adds and not adds_as_bits(dtype):
+        raise TypeError(
+            f"{caller}: the tensor at {path} is {dtype}, which the {backend} backend cannot add "
+            f"(the {kind.name} sums it across ranks; gathers and broadcasts carry it as its bytes); "
+            "keep it out of the reduction (frozen: requires_grad=False) or convert it "
+            "(e.g. .float()) first"
+        )
+
+
+def _comm(dtype: torch.dtype, options: Options, backend: str) -> torch.dtype:
+    """The dtype a bucket of ``dtype`` tensors travels in (``carrier``: its bytes, as a same-size
+    integer, where the backend cannot carry it)."""
     if options.comm is not None and dtype.is_floating_point and dtype.itemsize > 2:
         return options.comm
     if dtype == torch.bool:
         return torch.uint8  # reduced with MAX: a logical or, as ``a + b`` on bools
-    return dtype
+    return carrier(dtype, backend) or dtype
 
 
 def _cuts(
-    sigs: Sequence[Sig], order: Sequence[int], options: Options, kind: Kind, chunks: int
+    sigs: Sequence[Sig],
+    order: Sequence[int],
+    options: Options,
+    kind: Kind,
+    chunks: int,
+    backend: str,
 ) -> list[tuple[list[int], torch.dtype]]:
     """Each bucket's tensors (grouped by shape) and the dtype it travels in, in launch order.
 
@@ -258,7 +290,7 @@ def _cuts(
         members, size, nth = open_.get((device, dtype), ([], 0, 0))
         members.append(k)
         cell = kind.cell(shape, not shape, chunks)
-        size += chunks * _numel(cell) * _comm(dtype, options).itemsize
+        size += chunks * _numel(cell) * _comm(dtype, options, backend).itemsize
         if size >= (first if nth == 0 else options.cap_bytes):
             closed.append(members)
             members, size, nth = [], 0, nth + 1
@@ -268,7 +300,7 @@ def _cuts(
         # equal shapes side by side: one stack packs them, one unbind views them back
         by_shape = group_by(members, lambda k: (sigs[k][0], sigs[k][4]))
         grouped = [members[p] for same in by_shape.values() for p in same]
-        out.append((grouped, _comm(sigs[members[0]][1], options)))
+        out.append((grouped, _comm(sigs[members[0]][1], options, backend)))
     return out
 
 

@@ -26,8 +26,10 @@ A reduction's bucket is one chunk: every tensor whole, then the flag words.
 A reduce-scatter's and an all-gather's is W chunks, rank-major: chunk r holds
 rows [r*c, (r+1)*c) of every tensor (c = ceil(d0 / W), zero-padded, as
 ``torch.chunk`` cuts: FSDP2's copy-in), then the words; a tensor *held whole*
-by every rank (a 0-dim one) stands whole in every chunk of a reduce-scatter
-and stays out of an all-gather's buckets (each rank keeps its own). Every
+by every rank (a 0-dim one) takes W slots in every chunk of a reduce-scatter,
+each rank's value in its own, added by each rank in rank order after they
+land (the same bits on every rank), and stays out of an all-gather's buckets
+(each rank keeps its own). Every
 tensor's place starts at a multiple of 64 bytes (its *slot* is
 rounded up), as torch's allocator aligns a tensor of its own: CPU kernels
 (matmul) round differently on unaligned data. A tensor is laid out in its own
@@ -39,7 +41,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -63,7 +65,9 @@ __all__ = [
     "Signature",
     "Sizes",
     "Spec",
+    "adds_as_bits",
     "aligned",
+    "carrier",
     "order_of",
     "real_view",
     "replaced",
@@ -124,6 +128,16 @@ class Bucket(NamedTuple):
     def data(self) -> int:
         """Elements of a chunk before its flag words."""
         return self.chunk - self.extra
+
+    @property
+    def bits(self) -> bool:
+        """The tensors travel as their bytes: ``comm`` is a same-size integer the backend carries
+        in their place (``carrier``), packed from and viewed back as ``dtype`` without a cast."""
+        return (
+            self.comm != self.dtype
+            and self.comm.itemsize == self.dtype.itemsize
+            and self.dtype != torch.bool  # a bool bucket casts to uint8 (reduced with MAX)
+        )
 
 
 class Sizes(NamedTuple):
@@ -216,6 +230,52 @@ def order_of(t: torch.Tensor) -> tuple[int, ...] | None:
     return tuple(dims)
 
 
+_FLOAT8 = tuple(
+    getattr(torch, name)
+    for name in (
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+    if hasattr(torch, name)
+)
+#: per backend, the dtypes it cannot carry (torch 2.13's gloo, measured: "Invalid scalar type"
+#: for all-reduce, all-gather, broadcast and reduce-scatter alike) and the same-size integer
+#: their bytes travel as (``None``: it carries none of that size)
+_UNCARRIED: dict[str, dict[torch.dtype, torch.dtype | None]] = {
+    "gloo": {
+        **dict.fromkeys(_FLOAT8, torch.uint8),
+        torch.uint32: torch.int32,
+        torch.uint64: torch.int64,
+        torch.int16: None,
+        torch.uint16: None,
+    }
+}
+
+
+def carrier(dtype: torch.dtype, backend: str) -> torch.dtype | None:
+    """The dtype a buffer of ``dtype`` travels in on ``backend``: itself where the backend
+    carries it, else a same-size integer its bytes travel as (``None``: none there).
+
+    A copy (a gather, a broadcast) of the bytes is a copy of the values; so is a sum of integers
+    (two's complement adds the same bits signed or unsigned); a sum of float8 values is not
+    (``adds_as_bits``).
+
+    >>> carrier(torch.float8_e4m3fn, "gloo"), carrier(torch.float32, "gloo")
+    (torch.uint8, torch.float32)
+    >>> carrier(torch.float8_e4m3fn, "nccl"), carrier(torch.int16, "gloo")
+    (torch.float8_e4m3fn, None)
+    """
+    return _UNCARRIED.get(backend, {}).get(dtype, dtype)
+
+
+def adds_as_bits(dtype: torch.dtype) -> bool:
+    """Whether a sum of ``dtype``'s bytes, as the integer ``carrier`` gives, is the sum of its values."""
+    return not (dtype.is_floating_point or dtype.is_complex)
+
+
 def real_view(t: torch.Tensor) -> torch.Tensor:
     """Collectives take complex buffers as their real view."""
     return torch.view_as_real(t).view(-1) if t.is_complex() else t
@@ -295,6 +355,7 @@ class Kind:
     gathers = False  # the inputs are shards: a tensor held whole stays out of the buckets
     divides = True  # a mean multiplies by 1 / W as it packs (an all-gather's op is its transpose's)
     needs_rank = False  # its copy-in or copy-out reads this rank's place
+    adds = True  # its result is arithmetic on the ranks' values (not a copy of one rank's)
 
     def __repr__(self) -> str:
         return self.name
@@ -352,7 +413,7 @@ class Kind:
         ``lean``: buffers not kept between calls (ZeRO-3's units), where results
         that view a buffer larger than themselves would hold all of it.
         """
-        same = bucket.comm == bucket.dtype
+        same = _same(bucket)
         return Sizes(bucket.chunk, 3 if same else 1, None, 1, None if same else bucket.data)
 
     # --- copy-in -------------------------------------------------------------------------
@@ -364,6 +425,7 @@ class Kind:
 
         No autograd: a collective's graph is its rules' (``_rules``).
         """
+        parts = _as_comm(bucket, parts)
         with torch.no_grad():
             for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
                 cells = _cells(region, run)
@@ -405,6 +467,7 @@ class Kind:
         joined to its tensors' graph.
         """
         comm = bucket.comm
+        parts = _as_comm(bucket, parts)
         if parts is None:  # nothing of this rank's, and no graph to keep
             pieces = [torch.full((bucket.data,), _neutral(comm), dtype=comm, device=bucket.device)]
         else:
@@ -442,7 +505,7 @@ class Kind:
         flight, the views cost no time after it.
         """
         out: list[torch.Tensor] = []
-        regions = buf[: bucket.data].split_with_sizes(bucket.widths[:-1])
+        regions = _typed(bucket, buf)[: bucket.data].split_with_sizes(bucket.widths[:-1])
         for run, region in zip(bucket.runs, regions):
             cells = _cells(region, run)
             if run.n == 1:
@@ -509,6 +572,7 @@ class Broadcast(Kind):
     """``broadcast``: an all-reduce only ``src`` fills (the others send -0.0: x + -0.0 is x)."""
 
     name = "broadcast"
+    adds = False  # a sum of src's values and every other rank's neutral element: a copy
 
     def sends(self, options: Any) -> bool:
         return bool(dist.get_rank() == options.src)
@@ -573,9 +637,35 @@ class _Rowed(Kind):
 
 
 class ReduceScatter(_Rowed):
-    """``reduce_scatter``: every rank sends all chunks; each receives its own, summed."""
+    """``reduce_scatter``: every rank sends all chunks; each receives its own, summed.
+
+    A tensor held whole (0-dim) takes W *slots* in every chunk: each rank
+    puts its value in its own slot and the neutral element in the others,
+    so that every slot lands exactly one rank's value (x + -0.0 is x), and
+    every rank adds the W slots itself, in rank order (``land``): the same
+    bits on every rank. Summed by the wire instead, each chunk's copy would
+    be added in another order of the ranks (gloo's ring all-reduce, which
+    carries a reduce-scatter there, and a ring reduce-scatter alike), and
+    the replicas of a whole parameter would drift apart in the last bit.
+    """
 
     name = "reduce_scatter"
+
+    def cell(self, shape: tuple[int, ...], whole: bool, world: int) -> tuple[int, ...]:
+        return (world, *shape) if whole else super().cell(shape, whole, world)
+
+    def run(
+        self,
+        shape: tuple[int, ...],
+        order: tuple[int, ...] | None,
+        whole: bool,
+        n: int,
+        start: int,
+        world: int,
+        dtypes: tuple[torch.dtype, torch.dtype],
+    ) -> Run:
+        """A whole tensor's slots are laid out contiguous (its result comes contiguous)."""
+        return super().run(shape, None if whole else order, whole, n, start, world, dtypes)
 
     def on(self, backend: str, nbytes: int) -> Kind:
         """On gloo, an all-reduce of the whole buffer in place (``ReduceScatterBySum``): gloo's
@@ -584,7 +674,7 @@ class ReduceScatter(_Rowed):
         return REDUCE_SCATTER_BY_SUM if backend == "gloo" else self
 
     def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
-        same = bucket.comm == bucket.dtype
+        same = _same(bucket)
         res = None if same else bucket.data
         return Sizes(bucket.chunk * bucket.chunks, 1, bucket.chunk, 3 if same else 1, res)
 
@@ -593,14 +683,19 @@ class ReduceScatter(_Rowed):
     ) -> None:
         w = bucket.chunks
         grid = send.view(w, bucket.chunk)
+        parts = _as_comm(bucket, parts)
         with torch.no_grad():
             for run, part in zip(bucket.runs, parts):
                 region = grid[:, run.start : run.start + run.width]
-                if run.slot == run.size and run.order is None and not run.whole:
+                if run.whole:  # this rank's slot in every chunk, the neutral element elsewhere
+                    slots = _cells(region, run, 1)  # (w, n, W, *shape)
+                    slots.fill_(_neutral(send.dtype))
+                    slots[:, :, rank].copy_(_stacked(part, run).unsqueeze(0).expand(w, -1))
+                elif run.slot == run.size and run.order is None:
                     tensors = list(part.unbind(0)) if isinstance(part, torch.Tensor) else list(part)
                     _chunk_cat(tensors, w, region)  # FSDP2's copy-in, one kernel
                 else:
-                    _cells(region, run, 1).copy_(_rank_major(_stacked(part, run), run, w))
+                    _cells(region, run, 1).copy_(_rank_major(_stacked(part, run), run, w, rank))
             if scale is not None:
                 grid[:, : bucket.data].mul_(scale)
 
@@ -609,11 +704,14 @@ class ReduceScatter(_Rowed):
     ) -> torch.Tensor:
         """Every rank's rows of every tensor, rank-major, then the words in each chunk."""
         w, comm = bucket.chunks, bucket.comm
+        parts = _as_comm(bucket, parts)
         if parts is None:
             cols = [torch.full((w, bucket.data), _neutral(comm), dtype=comm, device=bucket.device)]
         else:
             cols = [
-                _slotted(_physical_flat(_rank_major(_value(part, run, send), run, w), run, 2), run)
+                _slotted(
+                    _physical_flat(_rank_major(_value(part, run, send), run, w, rank), run, 2), run
+                )
                 .reshape(w, -1)
                 .to(comm)
                 for run, part in zip(bucket.runs, parts)
@@ -632,13 +730,25 @@ class ReduceScatter(_Rowed):
         send.view(bucket.chunks, bucket.chunk)[:, -bucket.extra :].copy_(words)
 
     def views(self, bucket: Bucket, buf: torch.Tensor, rank: int) -> list[torch.Tensor]:
+        """This rank's rows of each tensor; a whole one's first slot, where ``land`` adds them."""
         out: list[torch.Tensor] = []
+        buf = _typed(bucket, buf)
         for run in bucket.runs:
             cells = _cells(buf[run.start : run.start + run.width], run)
-            if not run.whole:
+            if run.whole:
+                cells = cells[:, 0]
+            else:
                 cells = cells[:, : valid_rows(run.rows, run.shape[0], rank)]
             out += cells.unbind(0)
         return out
+
+    def land(
+        self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
+    ) -> torch.Tensor:
+        """This rank's chunk (copied into ``res``, where given), each whole tensor's slots added."""
+        if res is not None:
+            res.copy_(landed[: bucket.data])
+        return _added(bucket, landed if res is None else res)
 
     def start(
         self, send: torch.Tensor, recv: torch.Tensor | None, maximum: bool, group: Any, caller: str
@@ -684,6 +794,7 @@ class AllGather(_Rowed):
     name = "all_gather"
     gathers = True
     divides = False
+    adds = False
 
     def on(self, backend: str, nbytes: int) -> Kind:
         """On gloo, from 4 MiB, an all-reduce of the whole tensors in place, each rank's rows
@@ -699,7 +810,16 @@ class AllGather(_Rowed):
         out, start = [], 0
         for run in runs:
             size = world * run.size
-            full = Run(run.shape, run.order, run.whole, run.n, (world * run.rows, *run.cell[1:]), size, aligned(size, dtype, dtype), start)
+            full = Run(
+                run.shape,
+                run.order,
+                run.whole,
+                run.n,
+                (world * run.rows, *run.cell[1:]),
+                size,
+                aligned(size, dtype, dtype),
+                start,
+            )
             out.append(full)
             start += full.width
         return tuple(out)
@@ -712,6 +832,7 @@ class AllGather(_Rowed):
     def pack(
         self, bucket: Bucket, send: torch.Tensor, parts: Sequence[Part], rank: int, scale: Any
     ) -> None:
+        parts = _as_comm(bucket, parts)
         with torch.no_grad():
             for run, part in zip(bucket.runs, parts):  # this rank's rows, zero-padded
                 valid = valid_rows(run.rows, run.shape[0], rank)
@@ -725,6 +846,7 @@ class AllGather(_Rowed):
     ) -> torch.Tensor:
         """This rank's rows of every tensor, zero-padded, then the words: its one chunk."""
         comm = bucket.comm
+        parts = _as_comm(bucket, parts)
         if parts is None:
             pieces = [torch.zeros(bucket.data, dtype=comm, device=bucket.device)]
         else:
@@ -753,7 +875,9 @@ class AllGather(_Rowed):
         """Each tensor's rows of every rank, side by side (tensor-major), its own ones only."""
         out: list[torch.Tensor] = []
         for full in bucket.gathered:
-            out += _cells(buf[full.start : full.start + full.width], full)[:, : full.shape[0]].unbind(0)
+            out += _cells(buf[full.start : full.start + full.width], full)[
+                :, : full.shape[0]
+            ].unbind(0)
         return out
 
     def land(
@@ -763,9 +887,10 @@ class AllGather(_Rowed):
         assert res is not None
         w = bucket.chunks
         grid = landed.view(w, bucket.chunk)
+        into = res.view(bucket.comm) if bucket.bits else res  # bytes copied as they are
         for run, full in zip(bucket.runs, bucket.gathered):
             src = _cells(grid[:, run.start : run.start + run.width], run, 1)  # (w, n, rows, ...)
-            dst = _cells(res[full.start : full.start + full.width], full)  # (n, w * rows, ...)
+            dst = _cells(into[full.start : full.start + full.width], full)  # (n, w * rows, ...)
             dst.unflatten(1, (w, run.rows)).copy_(src.transpose(0, 1))
         return res
 
@@ -796,8 +921,7 @@ def _subset(spec: Spec, ks: Sequence[int], kind: Kind, op: Any, like: Any) -> Sp
     whole = None if spec.whole is None else tuple(spec.whole[k] for k in ks)
     options = replaced(spec.options, kind=kind.name, op=op)
     return replaced(
-        spec,
-        options=options, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like
+        spec, options=options, paths=tuple(spec.paths[k] for k in ks), whole=whole, like=like
     )
 
 
@@ -810,13 +934,63 @@ def _batched_like(sig: Signature, size: int, whole: bool) -> Signature:
     return ((size, *shape) if whole else (shape[0], size, *shape[1:])), None
 
 
-def _rank_major(stacked: torch.Tensor, run: Run, w: int) -> torch.Tensor:
-    """``(n, *shape)`` as ``(w, n, *cell)``: each rank's rows (zero-padded), or the whole in each."""
+def _rank_major(stacked: torch.Tensor, run: Run, w: int, rank: int) -> torch.Tensor:
+    """``(n, *shape)`` as ``(w, n, *cell)``: each rank's rows (zero-padded), or, held whole, the
+    tensors in ``rank``'s slot of every chunk and the neutral element in the others."""
     if run.whole:
-        return stacked.unsqueeze(0).expand(w, *stacked.shape)
+        before, after = rank, w - 1 - rank
+        pad = [0, 0] * (len(run.shape)) + [before, after]
+        spread = F.pad(stacked.unsqueeze(1), pad, value=_neutral(stacked.dtype))
+        return spread.unsqueeze(0).expand(w, *spread.shape)
     pad = [0, 0] * (len(run.shape) - 1) + [0, w * run.rows - run.shape[0]]
     padded = F.pad(stacked, pad) if pad[-1] else stacked
     return padded.view(run.n, w, *run.cell).transpose(0, 1)
+
+
+def _same(bucket: Bucket) -> bool:
+    """Whether results can view the buffer the bucket travels in (its dtype, or its bytes)."""
+    return bucket.comm == bucket.dtype or bucket.bits
+
+
+@overload
+def _as_comm(bucket: Bucket, parts: Sequence[Part]) -> Sequence[Part]: ...
+@overload
+def _as_comm(bucket: Bucket, parts: None) -> None: ...
+@overload
+def _as_comm(bucket: Bucket, parts: Sequence[Part] | None) -> Sequence[Part] | None: ...
+def _as_comm(bucket: Bucket, parts: Sequence[Part] | None) -> Sequence[Part] | None:
+    """``parts`` viewed as the integer their bytes travel as, where the bucket travels as bits."""
+    if parts is None or not bucket.bits:
+        return parts
+    comm = bucket.comm
+    return [
+        p.view(comm) if isinstance(p, torch.Tensor) else [t.view(comm) for t in p] for p in parts
+    ]
+
+
+def _typed(bucket: Bucket, buf: torch.Tensor) -> torch.Tensor:
+    """A landed buffer of a bucket that travels as bits, viewed as its tensors' dtype."""
+    return buf.view(bucket.dtype) if bucket.bits and buf.dtype == bucket.comm else buf
+
+
+def _added(bucket: Bucket, mine: torch.Tensor) -> torch.Tensor:
+    """``mine`` (this rank's landed chunk) with each whole tensor's slots added into its first,
+    in rank order (MAX for booleans): every rank the same bits. Traced, on a copy (the
+    landed tensor stays as the collective gave it)."""
+    whole = [run for run in bucket.runs if run.whole]
+    if not whole:
+        return mine
+    if is_compiling():
+        mine = mine.clone()
+    for run in whole:
+        slots = _cells(mine[run.start : run.start + run.width], run)  # (n, W, *shape)
+        total = slots[:, 0]
+        for q in range(1, slots.shape[1]):
+            if bucket.maximum:
+                total.copy_(torch.maximum(total, slots[:, q]))
+            else:
+                total.add_(slots[:, q])
+    return mine
 
 
 def _stacked_scaled(part: Part, run: Run, send: Any) -> torch.Tensor:
@@ -863,11 +1037,12 @@ class ReduceScatterBySum(ReduceScatter):
     name = "reduce_scatter/sum"
 
     def sizes(self, bucket: Bucket, lean: bool = False) -> Sizes:
-        """In place; the results view this rank's chunk of the buffer where dtypes agree, or
-        (``lean``, several chunks) a copy of it: they do not hold the other ranks' chunks."""
-        same = bucket.comm == bucket.dtype and not (lean and bucket.chunks > 1)
-        res = None if same else bucket.data
-        return Sizes(bucket.chunk * bucket.chunks, 3 if same else 1, None, 1, res)
+        """In place; this rank's chunk copied out once into the results' own buffer, so that they
+        hold their rows alone (as a reduce-scatter's do), not every rank's chunk: the results
+        view the landed buffer only where it is one chunk of their dtype."""
+        view = _same(bucket) and bucket.chunks == 1
+        res = None if view else bucket.data
+        return Sizes(bucket.chunk * bucket.chunks, 3 if view else 1, None, 1, res)
 
     def words_of(self, bucket: Bucket, landed: torch.Tensor) -> torch.Tensor:
         return landed[bucket.chunk - bucket.extra : bucket.chunk]  # chunk 0's: every chunk's
@@ -880,12 +1055,8 @@ class ReduceScatterBySum(ReduceScatter):
     def land(
         self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
     ) -> torch.Tensor:
-        """This rank's chunk (a view of the landed buffer), or its data copied into ``res``."""
-        mine = landed.view(bucket.chunks, bucket.chunk)[rank]
-        if res is None:
-            return mine
-        res.copy_(mine[: bucket.data])
-        return res
+        """This rank's chunk of the landed buffer, copied into ``res`` (where given)."""
+        return super().land(bucket, landed.view(bucket.chunks, bucket.chunk)[rank], res, rank)
 
     start = Kind.start
     start_traced = Kind.start_traced
@@ -905,11 +1076,13 @@ class AllGatherBySum(Kind):
     takes_sparse = False
     gathers = True
     divides = False
+    adds = False
     needs_rank = True
 
     def pack(
         self, bucket: Bucket, send: torch.Tensor, parts: Sequence[Part], rank: int, scale: Any
     ) -> None:
+        parts = _as_comm(bucket, parts)
         with torch.no_grad():
             for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
                 cells = _cells(region, run)
@@ -923,6 +1096,7 @@ class AllGatherBySum(Kind):
         self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
     ) -> torch.Tensor:
         comm = bucket.comm
+        parts = _as_comm(bucket, parts)
         if parts is None:
             pieces = [torch.full((bucket.data,), _neutral(comm), dtype=comm, device=bucket.device)]
         else:
