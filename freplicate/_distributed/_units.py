@@ -6,9 +6,10 @@ the parameters of no unit are gathered for the whole call. ``materialize``
 reads a ``units=`` argument the same way.
 
 The default follows the model: a container of repeated blocks (an
-``nn.ModuleList`` or ``nn.Sequential`` whose members holding parameters are
-two or more of one class, as Hugging Face's and torchtitan's decoder layers
-are) gives one unit per block, wherever it sits; the modules beside it
+``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` of two or more
+members of one class, each holding parameters and submodules: Hugging
+Face's and torchtitan's decoder layers) gives one unit per block, wherever
+it sits; the modules beside it
 that hold parameters (an embedding, a final norm, an output head) are
 units of their own, found the same way, so that only the parameters a
 module holds directly on the way down to the blocks are outside every
@@ -121,7 +122,7 @@ def _holds(m: nn.Module) -> bool:
 def _repeated(m: nn.Module) -> bool:
     """A container of repeated blocks: two or more members, all of one class, each holding
     parameters and submodules (decoder layers; not ``nn.Sequential(Linear, ReLU, Linear)``)."""
-    if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+    if not isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
         return False
     members = list(m.children())
     return (
@@ -134,52 +135,68 @@ def _repeated(m: nn.Module) -> bool:
 def _default_units(module: nn.Module, prefix: str, seen: set[int] | None = None) -> Iterator[str]:
     """Each direct child holding parameters; in place of a container (one without a forward,
     or of repeated blocks) its members, and in place of a module with repeated blocks
-    somewhere inside, its children found the same way. A module reached twice counts under its
-    first name (``named_modules()``'s)."""
+    somewhere inside, its children found the same way; a block is a unit whatever repeats
+    inside it (the experts of a layer). A module reached twice counts under its first name
+    (``named_modules()``'s)."""
     seen = {id(module)} if seen is None else seen
+    blocks = _repeated(module)  # its members are units, whatever repeats inside them
     for name, child in module.named_children():
         if id(child) in seen or not _holds(child):
             continue
         seen.add(id(child))
         qualified = f"{prefix}{name}"
-        if _container(child) or _repeated(child) or any(map(_repeated, child.modules())):
+        if _container(child) or (not blocks and any(map(_repeated, child.modules()))):
             yield from _default_units(child, qualified + ".", seen)
         else:
             yield qualified
 
 
 def _cut(module: nn.Module, names: tuple[str, ...]) -> Units:
-    """Each parameter to the innermost unit on every path that reaches it, or outside.
+    """Each parameter to the innermost unit holding it, when every path reaches it through that
+    unit entered by one path; any other parameter outside every unit.
 
     A parameter reached from two units, tied across them (an embedding and
     the output head) or held by a module both reach (one ``nn.Linear`` in
-    two blocks), is gathered once for the whole call, as one outside every
-    unit: its gradients from both places then add up before its one
-    reduce-scatter, as DDP adds them before its all-reduce (bit for bit).
-    A unit reached under two names (one block twice in a list) is one unit,
-    gathered each time it runs.
+    two blocks), or of a unit reached under two names (one block twice in a
+    list, which runs twice), is gathered once for the whole call, as one
+    outside every unit: its gradients from every place it is used then add
+    up before its one reduce-scatter, as DDP adds them before its
+    all-reduce (bit for bit).
     """
     layout = _apply._Layout(_apply._modules(module))
     index = {prefix[:-1]: i for i, prefix in enumerate(layout.prefixes)}
     unit_at = {index[u]: u for u in names}
-    where: dict[str, set[str | None]] = {}
-    stack: list[tuple[int, tuple[int, ...], str | None]] = [(0, (0,), unit_at.get(0))]
+    # per parameter: each (unit, the path it was entered by) it is reached through
+    where: dict[str, set[tuple[str, str] | None]] = {}
+    root = (unit_at[0], "") if 0 in unit_at else None
+    stack: list[tuple[int, str, tuple[int, ...], tuple[str, str] | None]] = [(0, "", (0,), root)]
     while stack:  # every path from the root that repeats no module, as _Layout walks them
-        i, path, unit = stack.pop()
+        i, prefix, path, entered = stack.pop()
         for name in layout.held[i].values():
             if name in layout.param_names:
-                where.setdefault(name, set()).add(unit)
-        for _, j in layout.children[i]:
+                where.setdefault(name, set()).add(entered)
+        for key, j in layout.children[i]:
             if j not in path:
-                stack.append((j, (*path, j), unit_at.get(j, unit)))
+                here = f"{prefix}{key}"
+                inner = (unit_at[j], here) if j in unit_at else entered
+                stack.append((j, here + ".", (*path, j), inner))
     gathers: dict[str, list[str]] = {u: [] for u in names}
     outside: list[str] = []
     own = dict(module.named_parameters())
     for name in own:
-        held = where[name]
-        (gathers[next(iter(held))] if len(held) == 1 and None not in held else outside).append(name)  # type: ignore[index]
+        (entered,) = where[name] if len(where[name]) == 1 else (None,)
+        (outside if entered is None else gathers[entered[0]]).append(name)
     full = {n: (tuple(p.shape), order_of(p)) for n, p in own.items()}
     return Units(names, {u: tuple(v) for u, v in gathers.items()}, tuple(outside), full)
+
+
+def _divisible(m: nn.Module) -> bool:
+    """Whether ``m``'s parameters lie in two or more submodules, which could be units apart."""
+    while True:
+        holders = [c for c in m.children() if _holds(c)]
+        if len(holders) != 1:
+            return len(holders) >= 2
+        m = holders[0]
 
 
 def _warn_lopsided(module: nn.Module, plan: Units, caller: str) -> None:
@@ -191,7 +208,7 @@ def _warn_lopsided(module: nn.Module, plan: Units, caller: str) -> None:
     unit = max(held, key=held.__getitem__, default=None)
     if unit is None or not total or held[unit] <= LOPSIDED * total:
         return
-    if not any(map(_holds, module.get_submodule(unit).children())):
+    if not _divisible(module.get_submodule(unit)):
         return  # one layer (a Linear) holding most: no smaller unit to name
     structure = (type(module), tuple((n, shape) for n, (shape, _) in plan.full.items()))
     if structure in _WARNED:
