@@ -36,6 +36,7 @@ from ._group import world_size
 from ._options import Options, check_weighted, reduction, weight_value
 from ._plans import Plan, plan_of
 from ._precision import around, precision_of, wire_compress
+from ._reproducible import Grains, refuse
 from ._rules import needs_rules
 from ._wire import ALL_REDUCE, REDUCE_SCATTER, Spec, replaced
 
@@ -72,6 +73,8 @@ class Step:
         weight: Callable[..., Any] | None = None,
         shard: bool = False,
         mp_policy: MixedPrecisionPolicy | None = None,
+        grain: int | None = None,
+        seed: int = 0,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"{_CALLER}: fn must be callable, got {type(fn).__name__}")
@@ -101,6 +104,14 @@ class Step:
         self.weight = weight
         self.shard = shard
         self.mp_policy = mp_policy
+        #: the reproducible mode's own part (``_reproducible``), or ``None``: the default
+        self.grains: Grains | None = None
+        if grain is not None:
+            refuse(
+                _CALLER, grain, seed, shard=shard, weight=weight, mp_policy=mp_policy,
+                compress=compress,
+            )  # fmt: skip
+            self.grains = Grains(grain, seed, _CALLER)
         #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
         self.run = fn if precision is None else around(fn, precision, argnums)
         self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
@@ -111,6 +122,13 @@ class Step:
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         world = world_size(self.group, _CALLER)
+        if self.grains is not None:
+            n = _position(self.argnums, args)
+            return self.grains(
+                self.local, args, kwargs, argnums=self.argnums, op=self.op, group=self.group,
+                world=world, has_aux=self.has_aux,
+                checksums=None if n is None else self._checksums(args[n]),
+            )  # fmt: skip
         if world <= 1:
             return self.local(*args, **kwargs)
         if _ruled(args, kwargs):  # transformed, or a graph to keep: local, then the rules
@@ -143,6 +161,7 @@ class Step:
             TypeError: ``args`` does not reach ``args[argnums]``.
             ValueError: a layout that differs from the peers' (on every rank).
         """
+        self._refuse_grains("skip")
         if not -len(args) <= self.argnums < len(args):
             raise TypeError(
                 f"{_CALLER}: skip(*args) needs the differentiated argument args[{self.argnums}] "
@@ -206,6 +225,7 @@ class Step:
             ValueError: the iterable yields fewer micro-batches than ``count``
                 (on every rank); ``count`` negative.
         """
+        self._refuse_grains("accumulate")
         known = _count(micro_batches, count)
         world = world_size(self.group, _CALLER)
         if world <= 1:
@@ -371,6 +391,13 @@ class Step:
         return reduced, value
 
     # --- what every way of calling shares ---------------------------------------------------
+
+    def _refuse_grains(self, method: str) -> None:
+        if self.grains is not None:
+            raise NotImplementedError(
+                f"{_CALLER}: grain= (reproducible across world sizes) has no {method}() yet: "
+                "give every rank a batch of the same number of grains and call the step"
+            )
 
     def _first(self, tree: Any, batches: Iterable[Any]) -> tuple[Iterable[Any], bool]:
         """The micro-batches again, and whether the rules reduce them: the tree or the first
@@ -650,6 +677,8 @@ def grad_and_value(
     weight: Callable[..., Any] | None = None,
     shard: bool = False,
     mp_policy: MixedPrecisionPolicy | None = None,
+    grain: int | None = None,
+    seed: int = 0,
 ) -> Step:
     """``fr.grad_and_value`` whose gradients come back all-reduced over ``group``, as DDP's.
 
@@ -692,6 +721,28 @@ def grad_and_value(
     of the mean loss over all the examples of the step, however unevenly the
     ranks' batches are sized (DDP has no such option: it averages over ranks).
 
+    ``grain=G`` makes the gradients the same bits on any world size that is
+    a power of two (1, 2, 4, ...), for the same global batch, ``G`` and
+    threads per process: every tensor of the arguments other than
+    ``args[argnums]`` is cut along its first dimension into grains of ``G``
+    samples, each grain's gradient is computed alone (its random numbers,
+    dropout's, drawn from a generator seeded by ``seed``, the call's number
+    and the grain's global position, never by the rank; the caller's
+    generators are left as they were), and the grains' gradients are summed
+    as one balanced binary tree over their global positions, pairwise within
+    a rank, by recursive halving and doubling with fixed partners across
+    ranks (each rank sends what a ring all-reduce sends); ``op="mean"``
+    divides once, by the number of grains. That tree is the one a single
+    process builds when each rank holds a power of two of grains, and the
+    step refuses anything else (``ValueError``). ``fn`` is then a mean (or,
+    with ``op="sum"``, a sum) over its grain's samples; BatchNorm normalises
+    each grain alone. ``value`` is this rank's mean of its grains' values;
+    with ``has_aux``, ``(value, [aux of each grain])``. ``g.grains.step``
+    counts the calls (set it when resuming a job at a step). Not (yet) with
+    ``shard``, ``weight``, ``compress``, ``mp_policy``, ``skip``,
+    ``accumulate``, ``torch.compile``, ``torch.func`` transforms or
+    graph-carrying inputs: ``NotImplementedError`` naming them.
+
     ``g.skip(*args)``: a rank without a batch (its data ran out, see
     ``fr.distributed.join``) still takes part, with zeros and weight 0, and
     gets the same gradients as its peers. ``g.accumulate(tree,
@@ -730,6 +781,10 @@ def grad_and_value(
             that is FSDP2's mixed precision for a ZeRO-2 step. No
             ``output_dtype`` (a step has no module) and no ``compress`` that
             says another dtype.
+        grain: samples per grain, for gradients reproducible across world
+            sizes (above); ``None``, the default, for DDP's reduction.
+        seed: with ``grain``, the seed of the grains' random numbers (an int,
+            the same on every rank).
 
     Returns:
         A ``Step``: ``g(*args) -> (grads, value)``, with the methods
@@ -742,6 +797,8 @@ def grad_and_value(
         TypeError: ``fn`` or ``weight`` is not callable; ``argnums`` is not
             an int; bad options; ``weight(*args)`` is not a number (when
             ``g`` runs, on every rank).
+        NotImplementedError: ``grain`` with an option or a call it does not
+            take yet (named).
         ValueError: bad options (at once); a ``weight`` with ``op="sum"``;
             trees that differ across ranks, or parameters that differ on a
             layout's first call (on every rank, when ``g`` runs).
@@ -758,6 +815,13 @@ def grad_and_value(
         ({'a': tensor(0.)}, None)
         >>> g.accumulate(w, [(torch.tensor(3.0),), (torch.tensor(4.0),)])  # summed
         ({'a': tensor(7.)}, [tensor(6.), tensor(8.)])
+        >>> r = fr.distributed.grad_and_value(lambda w, x: (w["a"] * x).mean(), grain=2)
+        >>> r(w, torch.tensor([1.0, 2.0, 3.0, 4.0]))  # 2 grains: ((1.5) + (3.5)) / 2
+        ({'a': tensor(2.5000)}, tensor(5.))
+        >>> r(w, torch.ones(6))
+        Traceback (most recent call last):
+        ...
+        ValueError: fr.distributed.grad_and_value: grain=2 cuts this rank's batch into 3 grains; ...
     """
     return Step(
         fn,
@@ -771,4 +835,6 @@ def grad_and_value(
         weight=weight,
         shard=shard,
         mp_policy=mp_policy,
+        grain=grain,
+        seed=seed,
     )

@@ -1,0 +1,419 @@
+"""Gradients reproducible across world sizes: grains, one summation tree, randomness by position.
+
+``fr.distributed.grad_and_value(fn, grain=G)`` comes here. The global batch
+is cut into *grains* of ``G`` samples; grain ``p`` (its global position: rank
+``r`` of ``W`` holds grains ``r*m .. r*m + m - 1``, ``m`` grains per rank)
+has its gradient computed alone, by the same ops on every rank, its random
+numbers drawn from a generator seeded by ``(seed, step, p)`` and not by the
+rank. The ``N = m*W`` grains' gradients are summed as the perfect binary tree
+over their positions: within a rank by pairwise sums as the grains come (a
+binary counter keeps one partial sum per level, ``log2(m) + 1`` at most),
+across ranks by recursive halving (level ``k``: rank ``r`` and ``r ^ 2**k``
+each keep half of their segment and add the partner's copy of it, the lower
+ranks' sum on the left) then recursive doubling (the same partners swap their
+reduced halves back). The mean is divided once, at the end.
+
+When the trees align: the tree over ``N`` leaves that a binary counter builds
+has as nodes exactly the blocks ``[j*2**l, (j+1)*2**l)``. A rank's grains
+form one such block, so that its local sum *is* a node of the one-process
+tree, exactly when ``m`` is a power of two; the ranks' blocks then join
+pairwise, ``r`` with ``r ^ 1``, then with ``r ^ 2``, ..., which is recursive
+halving's order when ``W`` is a power of two. So with ``m`` and ``W`` powers of
+two every element of the result is the same sum, in the same order, as one
+process adding all ``N`` grains: the same bits on 1, 2, 4, ... ranks for the
+same global batch and grain. Anything else is refused (``ValueError``):
+``m`` not a power of two would split a rank's block across nodes, and a
+world size that is not a power of two has no fixed partners.
+
+Each rank sends ``2 * n * (W - 1) / W`` elements of an ``n``-element
+gradient per dtype (halving then doubling), a ring all-reduce's count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import optree
+import torch
+import torch.distributed as dist
+
+from .._checks import check_int
+from .._torch import is_compiling, transform_level
+from .._tree import NAMESPACE, flatten_in_order, paths_of
+from ._group import collective
+
+__all__ = ["Grains", "grain_seed", "refuse", "tree_sum"]
+
+_MASK = (1 << 64) - 1
+
+
+def refuse(caller: str, grain: Any, seed: Any, **others: Any) -> None:
+    """Check ``grain=`` and ``seed=``; ``NotImplementedError`` for the options it does not take.
+
+    ``others`` are the step's other options as given, by name, with ``True``
+    (or a value other than ``None``) where one is asked for.
+
+    >>> refuse("f", 8, 0, shard=True)
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: f: grain= (reproducible across world sizes) does not take shard=True yet; ...
+    """
+    check_int(caller, "grain", grain)
+    if grain < 1:
+        raise ValueError(f"{caller}: grain must be a number of samples >= 1, got grain={grain}")
+    check_int(caller, "seed", seed)
+    for name, value in others.items():
+        if value is not None and value is not False:
+            shown = repr(value) if isinstance(value, (bool, str)) else type(value).__name__
+            raise NotImplementedError(
+                f"{caller}: grain= (reproducible across world sizes) does not take "
+                f"{name}={shown} yet; drop one of them (docs/reproducible.md says what the "
+                "mode covers)"
+            )
+
+
+def grain_seed(seed: int, step: int, position: int) -> int:
+    """The seed of grain ``position``'s generator at call ``step``: SplitMix64 of the three.
+
+    Neighbouring keys give unrelated seeds, and no key names a rank.
+
+    >>> grain_seed(0, 0, 0) != grain_seed(0, 0, 1) != grain_seed(0, 1, 0)
+    True
+    """
+    x = 0
+    for v in (seed, step, position):
+        x = _splitmix((x ^ (v & _MASK)) & _MASK)
+    return x >> 1  # below 2**63: any generator takes it
+
+
+def _splitmix(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+def tree_sum(parts: Iterable[list[Any]]) -> list[Any]:
+    """The perfect binary tree's sum of ``parts`` (a power of two of them), left operand first.
+
+    The binary counter the step runs: one partial sum per level, a new part
+    joined with the partial of its level as long as there is one; the parts
+    are drawn one at a time, so at most ``log2(len(parts)) + 1`` are held.
+
+    >>> a, b, c, d = ([torch.tensor([x])] for x in (1e8, 1.0, -1e8, 1.0))
+    >>> tree_sum([a, b, c, d])  # (a + b) + (c + d), not ((a + b) + c) + d
+    [tensor([0.])]
+    """
+    stack: list[tuple[int, list[Any]]] = []
+    for part in parts:
+        level, node = 0, part
+        while stack and stack[-1][0] == level:
+            node = _add(stack.pop()[1], node)
+            level += 1
+        stack.append((level, node))
+    assert len(stack) == 1, "tree_sum: a power of two of parts"
+    return stack[0][1]
+
+
+def _add(left: list[Any], right: list[Any]) -> list[Any]:
+    return [a + b if isinstance(a, torch.Tensor) else a for a, b in zip(left, right)]
+
+
+class Grains:
+    """A reproducible step's own part: grain size, seed, and the calls made so far (``step``).
+
+    ``step`` keys the random numbers of the next call; a job resumed at step
+    ``t`` sets it to ``t`` (it counts this object's calls, starting at 0).
+    """
+
+    def __init__(self, grain: int, seed: int, caller: str) -> None:
+        self.grain = grain
+        self.seed = seed
+        self.caller = caller
+        self.step = 0
+        self.checked = False  # the parameters' checksum goes with the first call only
+
+    def __call__(
+        self,
+        local: Callable[..., tuple[Any, Any]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        argnums: int,
+        op: str,
+        group: Any,
+        world: int,
+        has_aux: bool,
+        checksums: Callable[[], list[int]] | None,
+    ) -> tuple[Any, Any]:
+        """This rank's grains' gradients, summed with every rank's in the fixed tree; its value."""
+        caller = self.caller
+        if is_compiling() or transform_level() is not None or _carries_graph(args, kwargs):
+            raise NotImplementedError(
+                f"{caller}: grain= (reproducible across world sizes) runs eagerly only, on "
+                "arguments without an autograd graph: not under torch.compile, torch.func "
+                "transforms or with inputs that require grad"
+            )
+        world = max(world, 1)
+        if not _power_of_two(world):
+            raise ValueError(
+                f"{caller}: grain= needs a world size that is a power of two (1, 2, 4, 8, ...) "
+                f"for its fixed summation tree, got {world} ranks; run on a power of two of "
+                "ranks, or without grain="
+            )
+        rank = dist.get_rank(group) if world > 1 else 0
+        if not -len(args) <= argnums < len(args):
+            raise TypeError(
+                f"{caller}: the step needs the differentiated argument args[{argnums}], got "
+                f"{len(args)} positional argument(s)"
+            )
+        n = argnums % len(args)
+        step, self.step = self.step, self.step + 1
+        error: BaseException | None = None
+        summed: list[Any] = []
+        spec: Any = None
+        auxes: list[Any] = []
+        m = 0
+        try:
+            m, cut = _cut(args, kwargs, n, self.grain, caller)
+            if _power_of_two(m):  # else refused below, on every rank alike
+                summed, spec, auxes = self._grains(local, cut, m, rank, step, has_aux)
+        except BaseException as err:  # announced to the peers before it propagates
+            error = err
+        sizes = [t.numel() for t in summed[:-1] if isinstance(t, torch.Tensor)]
+        if world > 1:
+            first = checksums is not None and not self.checked and error is None
+            sums = checksums() if first else []  # type: ignore[misc]
+            self.checked = True
+            _agree(caller, group, rank, error, m, sum(sizes), sum(sums) % (1 << 62))
+        if error is not None:
+            raise error
+        if not _power_of_two(m):
+            raise ValueError(
+                f"{caller}: grain={self.grain} cuts this rank's batch into {m} grains; the "
+                "grains per rank must be a power of two (1, 2, 4, ...) for the rank's sum to "
+                "be a node of the one-process tree: give each rank a batch of grain * 2**k "
+                "samples"
+            )
+        *grads, loss = summed
+        grads = _reduced(grads, rank, world, group, m * world, op, caller)
+        value = loss / m  # this rank's mean of its grains' values, not reduced
+        out = optree.tree_unflatten(spec, grads)
+        return out, ((value, auxes) if has_aux else value)
+
+    def _grains(
+        self,
+        local: Callable[..., tuple[Any, Any]],
+        cut: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]],
+        m: int,
+        rank: int,
+        step: int,
+        has_aux: bool,
+    ) -> tuple[list[Any], Any, list[Any]]:
+        """The rank's ``m`` grains, each alone, summed by the binary counter (value last)."""
+        spec: Any = None
+        auxes: list[Any] = []
+
+        def parts() -> Iterator[list[Any]]:
+            nonlocal spec
+            for i in range(m):
+                args, kwargs = cut(i)
+                with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs):
+                    grads, value = local(*args, **kwargs)
+                if has_aux:
+                    value, aux = value
+                    auxes.append(aux)
+                leaves, spec = flatten_in_order(grads)
+                _refuse_sparse(leaves, spec, self.caller)
+                yield [*leaves, value.detach()]
+
+        summed = tree_sum(parts())
+        return summed, spec, auxes
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _carries_graph(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in leaves
+    )
+
+
+def _cut(
+    args: tuple[Any, ...], kwargs: dict[str, Any], n: int, grain: int, caller: str
+) -> tuple[int, Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]]:
+    """How many grains the batch makes, and grain ``i``'s arguments (its rows, fresh copies).
+
+    Every tensor of the arguments but ``args[n]`` is batch-major: its rows are
+    the samples. A grain's rows are copied into tensors of their own, so that
+    a kernel whose path depends on an address's alignment takes the same path
+    on every rank.
+    """
+    others = ({i: a for i, a in enumerate(args) if i != n}, kwargs)
+    leaves, spec = flatten_in_order(others)
+    rows = {
+        k: t.shape[0] if t.dim() else None
+        for k, t in enumerate(leaves)
+        if isinstance(t, torch.Tensor)
+    }
+    paths = paths_of(spec)
+    if not rows:
+        raise ValueError(
+            f"{caller}: grain={grain} cuts the batch, but the step's arguments other than "
+            f"args[{n}] hold no tensor"
+        )
+    sizes = set(rows.values())
+    if None in sizes or len(sizes) > 1:
+        shown = ", ".join(f"{_name(paths[k])}: {r}" for k, r in rows.items())
+        raise ValueError(
+            f"{caller}: grain= cuts every tensor of the step's other arguments along its first "
+            f"dimension (the samples), which must be alike: rows {shown}"
+        )
+    (size,) = sizes
+    assert size is not None
+    if size % grain:
+        raise ValueError(
+            f"{caller}: grain={grain} does not divide this rank's batch of {size} samples; give "
+            "each rank a multiple of grain samples"
+        )
+
+    def cut(i: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        part = [
+            t[i * grain : (i + 1) * grain].clone() if isinstance(t, torch.Tensor) else t
+            for t in leaves
+        ]
+        positional: Any
+        kw: Any
+        positional, kw = optree.tree_unflatten(spec, part)  # type: ignore[misc]
+        return tuple(positional.get(k, a) for k, a in enumerate(args)), kw
+
+    return size // grain, cut
+
+
+def _name(path: str) -> str:
+    """A leaf's path in ``({position: arg}, kwargs)`` as the caller would write it."""
+    return ("args" if path.startswith("[0]") else "kwargs") + path[3:]
+
+
+@contextlib.contextmanager
+def _keyed(seed: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """The CPU generator and the arguments' CUDA ones seeded by ``seed``, restored after."""
+    leaves: list[Any] = optree.tree_leaves((args, kwargs), namespace=NAMESPACE)  # type: ignore[arg-type]
+    cuda = sorted(
+        {t.device.index or 0 for t in leaves if isinstance(t, torch.Tensor) and t.is_cuda}
+    )
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            torch.cuda.default_generators[d].manual_seed(seed)
+        yield
+
+
+def _refuse_sparse(leaves: list[Any], spec: Any, caller: str) -> None:
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor) and t.layout != torch.strided:
+            raise NotImplementedError(
+                f"{caller}: grain= sums dense gradients only; the gradient at "
+                f"{paths_of(spec)[k]} is {t.layout}"
+            )
+
+
+def _agree(
+    caller: str, group: Any, rank: int, error: BaseException | None, m: int, n: int, sums: int
+) -> None:
+    """Every rank learns whether another failed or differs, before any gradient moves."""
+    words = [rank + 1 if error is not None else 0, m, -m, n, -n, sums, -sums]
+    info = torch.tensor(words, dtype=torch.int64)
+    with collective(caller):
+        dist.all_reduce(info, op=dist.ReduceOp.MAX, group=group)
+    failed, m_hi, m_lo, n_hi, n_lo, s_hi, s_lo = (int(v) for v in info)
+    if error is not None:
+        return
+    if failed:
+        raise RuntimeError(f"{caller}: rank {failed - 1} raised in its grains (see its error)")
+    if m_hi != -m_lo:
+        raise ValueError(
+            f"{caller}: ranks hold different numbers of grains ({-m_lo} to {m_hi}); grain= "
+            "needs the same batch size on every rank"
+        )
+    if n_hi != -n_lo:
+        raise ValueError(
+            f"{caller}: the ranks' gradients differ in size ({-n_lo} to {n_hi} elements); "
+            "every rank must differentiate the same tree"
+        )
+    if s_hi != -s_lo:
+        raise ValueError(
+            f"{caller}: the differentiated parameters differ across ranks on the first call; "
+            "broadcast them first (fr.distributed.broadcast)"
+        )
+
+
+def _reduced(
+    leaves: list[Any], rank: int, world: int, group: Any, total: int, op: str, caller: str
+) -> list[Any]:
+    """The leaves summed over the ranks (one flat buffer per dtype and device), then the mean."""
+    out = list(leaves)
+    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            kinds.setdefault((t.dtype, t.device), []).append(k)
+    for ks in kinds.values():
+        flat = torch.cat([leaves[k].reshape(-1) for k in ks])
+        if world > 1:
+            halving_doubling(flat, rank, world, group, caller)
+        if op == "mean" and (flat.is_floating_point() or flat.is_complex()):
+            flat = flat / total
+        at = 0
+        for k in ks:
+            t = leaves[k]
+            out[k] = flat[at : at + t.numel()].view(t.shape)
+            at += t.numel()
+    return out
+
+
+def halving_doubling(flat: torch.Tensor, rank: int, world: int, group: Any, caller: str) -> None:
+    """Sum ``flat`` (a buffer of this rank's own) over the ranks, in place.
+
+    Level ``k`` pairs rank ``r`` with ``r ^ 2**k``: the rank whose bit ``k``
+    is 0 holds the lower block of ranks, keeps the lower half of the current
+    segment, and its partial is the left operand of the sum on both sides.
+    """
+    segments: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (given half, segment)
+    lo, hi = 0, flat.numel()
+    level = 0
+    while (1 << level) < world:
+        peer = rank ^ (1 << level)
+        mid = lo + (hi - lo) // 2
+        low = rank < peer
+        keep, give = ((lo, mid), (mid, hi)) if low else ((mid, hi), (lo, mid))
+        theirs = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
+        exchange(flat[give[0] : give[1]], theirs, peer, group, caller)
+        mine = flat[keep[0] : keep[1]]
+        mine.copy_(mine + theirs if low else theirs + mine)
+        segments.append((give, (lo, hi)))
+        lo, hi = keep
+        level += 1
+    for level in reversed(range(len(segments))):  # each level's halves swapped back
+        (glo, ghi), parent = segments[level]
+        exchange(flat[lo:hi], flat[glo:ghi], rank ^ (1 << level), group, caller)
+        lo, hi = parent
+
+
+def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Any, caller: str) -> None:
+    """Send ``send`` to ``peer`` (a rank of ``group``) and receive its ``recv``, together."""
+    target = peer if group is None else dist.get_global_rank(group, peer)
+    ops = [
+        dist.P2POp(f, t, target, group)
+        for f, t in ((dist.isend, send), (dist.irecv, recv))
+        if t.numel()  # both sides skip an empty half alike: its sizes are the peer's mirror
+    ]
+    if not ops:
+        return
+    with collective(caller):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

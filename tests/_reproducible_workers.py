@@ -1,0 +1,211 @@
+"""Rank-side code of tests/test_reproducible.py: one training run on W gloo ranks, and refusals.
+
+The ranks are ``_dist_workers.spawn``'s (loopback only, a file store, bounded
+timeouts, stragglers killed), one thread each. ``spawn`` passes the names as
+``Scenario`` strings, whose unpickling in each rank imports this module and
+so registers its scenarios. ``train`` is also what the test runs in its own
+process, without a group: the one-process run the ranks must equal.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import _dist_workers
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import freplicate as fr
+from freplicate._distributed import _reproducible
+
+BATCH = 32  # the global batch: 8 grains of 4, so 8, 4 and 2 grains a rank on 1, 2 and 4 ranks
+GRAIN = 4
+STEPS = 4
+SEED = 7
+
+
+class Scenario(str):
+    """A scenario's name; unpickling it imports this module (see the module's text)."""
+
+    __slots__ = ()
+
+
+def spawn(names: list[str], **kwargs: Any) -> dict[str, list[Any]]:
+    return _dist_workers.spawn([Scenario(n) for n in names], **kwargs)
+
+
+def scenario(f: Any) -> Any:
+    return _dist_workers.scenario(f)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 64), nn.ReLU(), nn.Dropout(0.25), nn.Linear(64, 64), nn.ReLU(),
+        nn.Dropout(0.25), nn.Linear(64, 8),
+    )  # fmt: skip
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch, the same on every rank and world size."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, 16, generator=g), torch.randint(0, 8, (BATCH,), generator=g)
+
+
+def adamw(
+    params: dict[str, torch.Tensor], grads: dict[str, torch.Tensor], state: dict[str, Any], t: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """AdamW's update, out of place, elementwise (so the same bits wherever it runs)."""
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.999, 1e-8, 0.01
+    m = {k: state["m"][k] * b1 + grads[k] * (1 - b1) for k in params}
+    v = {k: state["v"][k] * b2 + grads[k] * grads[k] * (1 - b2) for k in params}
+    new = {}
+    for k, p in params.items():
+        mhat = m[k] / (1 - b1**t)
+        vhat = v[k] / (1 - b2**t)
+        new[k] = p * (1 - lr * wd) - lr * mhat / (vhat.sqrt() + eps)
+    return new, {"m": m, "v": v}
+
+
+def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """``STEPS`` AdamW steps of the MLP; this rank's rows of each global batch.
+
+    ``mode``: ``"grain"`` (reproducible), ``"default"`` (DDP's reduction, the
+    dropout masks drawn from each rank's own generator, seeded alike) or
+    ``"eval"`` (the default reduction, dropout off: only the summation order
+    differs between world sizes).
+    """
+    net = model()
+    if mode == "eval":
+        net.eval()
+    params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+    state = {"m": {k: torch.zeros_like(p) for k, p in params.items()}}
+    state["v"] = {k: torch.zeros_like(p) for k, p in params.items()}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.apply(net, fr.State(p, {}), x)
+        return F.cross_entropy(out, y)
+
+    step = fr.distributed.grad_and_value(
+        loss_fn, **({"grain": GRAIN, "seed": SEED} if mode == "grain" else {})
+    )
+    torch.manual_seed(SEED)  # the default mode's dropout: each rank's own generator
+    rows = BATCH // world
+    for t in range(1, STEPS + 1):
+        x, y = batch(t)
+        grads, _ = step(
+            params, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        )
+        params, state = adamw(params, grads, state, t)
+    return {"params": params, "state": state}
+
+
+def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
+    return train(mode, rank, dist.get_world_size())
+
+
+MODES = ("grain", "default", "eval")
+for _mode in MODES:  # scenarios "train_grain", "train_default", "train_eval"
+    _dist_workers.SCENARIOS[f"train_{_mode}"] = functools.partial(_train_on_ranks, _mode)
+
+
+@scenario
+def sent(rank: int) -> dict[str, int]:
+    """The bytes this rank sends in one reproducible step, and a ring all-reduce's."""
+    counted = [0]
+    exchange = _reproducible.exchange
+
+    def counting(send: torch.Tensor, *args: Any) -> None:
+        counted[0] += send.numel() * send.element_size()
+        exchange(send, *args)
+
+    _reproducible.exchange = counting  # type: ignore[assignment]
+    try:
+        world = dist.get_world_size()
+        net = model()
+        params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+        n = sum(p.numel() * p.element_size() for p in params.values())
+
+        def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return fr.apply(net, fr.State(p, {}), x)[0].square().mean()
+
+        step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN)
+        step(params, torch.randn(GRAIN, 16))
+    finally:
+        _reproducible.exchange = exchange  # type: ignore[assignment]
+    return {"sent": counted[0], "ring": 2 * n * (world - 1) // world}
+
+
+@scenario
+def refusals(rank: int) -> dict[str, Any]:
+    """What the mode refuses, on every rank alike; ``("raised", type, text)`` or a value."""
+    net = model()
+    params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fr.apply(net, fr.State(p, {}), x)[0].square().mean()
+
+    def failing(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if rank == 1:
+            raise KeyError("rank 1's loss")
+        return loss_fn(p, x)
+
+    out: dict[str, Any] = {}
+    three = dist.new_group([0, 1, 2])  # collective: every rank makes it
+    cases = {
+        "three_ranks": lambda: fr.distributed.grad_and_value(loss_fn, grain=4, group=three)(
+            params, torch.randn(8, 16)
+        ),
+        "uneven": lambda: fr.distributed.grad_and_value(loss_fn, grain=4)(
+            params, torch.randn(16 if rank == 0 else 8, 16)
+        ),
+        "failing": lambda: fr.distributed.grad_and_value(failing, grain=4)(
+            params, torch.randn(8, 16)
+        ),
+        "unsynced": lambda: fr.distributed.grad_and_value(loss_fn, grain=4)(
+            {k: v + rank for k, v in params.items()}, torch.randn(8, 16)
+        ),
+        "after": lambda: fr.distributed.grad_and_value(loss_fn, grain=4)(params, torch.ones(8, 16))[
+            0
+        ],
+    }
+    for name, case in cases.items():
+        if name == "three_ranks" and rank == 3:
+            continue
+        try:
+            out[name] = ("returned", case())
+        except BaseException as err:
+            out[name] = ("raised", _dist_workers._kind(err), str(err))
+    return out
+
+
+def odd_tree() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Parameters of two dtypes whose flat buffers split unevenly (9 and 5 elements), a batch."""
+    g = torch.Generator().manual_seed(3)
+    params = {
+        "a": torch.randn((), generator=g),
+        "b": torch.randn(3, generator=g, dtype=torch.float64),
+        "c": torch.randn(8, generator=g),
+        "d": torch.randn(2, 4, generator=g, dtype=torch.float64)[:, :1].squeeze(1),
+    }
+    return params, torch.randn(16, 1, generator=g)
+
+
+def odd_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    s = p["a"] * x.sum() + (p["b"].sum() * x.double()).sin().sum().float()
+    return s + (p["c"] * x).cos().mean() + (p["d"].sum() * x.double()).exp().mean().float()
+
+
+def odd_grads(rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    params, x = odd_tree()
+    rows = x.shape[0] // world
+    step = fr.distributed.grad_and_value(odd_loss, grain=2)
+    return step(params, x[rank * rows : (rank + 1) * rows])[0]  # type: ignore[no-any-return]
+
+
+@scenario
+def odd_sizes(rank: int) -> dict[str, torch.Tensor]:
+    return odd_grads(rank, dist.get_world_size())

@@ -1,0 +1,265 @@
+"""``grad_and_value(..., grain=)``: the same bits on 1, 2 and 4 gloo ranks (``_reproducible_workers``).
+
+An MLP with dropout, trained a few AdamW steps on one global batch a step,
+ends with bitwise-equal parameters and optimizer state on 1, 2 and 4 ranks
+and in this process without a group; the default mode, on the same runs,
+does not (its dropout draws by rank, and even without dropout its sum's
+order follows the world size), which is what makes the equality a test.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import freplicate as fr
+from freplicate._distributed._reproducible import grain_seed, tree_sum
+
+sys.path.insert(0, str(Path(__file__).parent))  # the spawned ranks import the workers by name
+import _dist_workers as w
+import _reproducible_workers as rw
+
+WORLDS = (1, 2, 4)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One thread, as each rank runs: the same kernels' reduction orders."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def jobs() -> dict[int, dict[str, list[Any]]]:
+    names = [f"train_{m}" for m in rw.MODES]
+    return {
+        world: rw.spawn(
+            [*names, "sent", "odd_sizes", *(["refusals"] if world == 4 else [])],
+            world=world,
+            pg_timeout=30.0,
+            deadline=120.0,
+        )
+        for world in WORLDS
+    }
+
+
+@pytest.fixture(scope="module")
+def here() -> dict[str, Any]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {mode: rw.train(mode) for mode in rw.MODES}
+    finally:
+        torch.set_num_threads(before)
+
+
+def equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Parameters and optimizer state, to the bit."""
+    trees = [(a["params"], b["params"]), *((a["state"][s], b["state"][s]) for s in ("m", "v"))]
+    return all(torch.equal(x[k], y[k]) for x, y in trees for k in x)
+
+
+# --- the equalities ----------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_training_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
+    for world in WORLDS:
+        for rank, result in enumerate(w.ok(jobs[world], "train_grain")):
+            assert equal(result, here["grain"]), f"grain=: rank {rank} of {world} differs"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
+    # the same runs without grain=: the test above would fail for it, with dropout (masks drawn
+    # by rank) and without (only the order of the sum differs), yet it trains alike
+    for mode in ("default", "eval"):
+        assert equal(w.ok(jobs[1], f"train_{mode}")[0], here[mode])
+        for world in (2, 4):
+            assert not equal(w.ok(jobs[world], f"train_{mode}")[0], here[mode]), (mode, world)
+    for world in (2, 4):
+        got = w.ok(jobs[world], "train_eval")[0]["params"]
+        fr.testing.assert_trees_close(got, here["eval"]["params"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_buffers_that_halve_unevenly_and_two_dtypes(jobs, one_thread):
+    # a 0-dim leaf, float32 and float64 buffers of 9 and 5 elements: halves of 4 and 5, 2 and 3
+    expected = rw.odd_grads()
+    for world in WORLDS:
+        for rank, got in enumerate(w.ok(jobs[world], "odd_sizes")):
+            assert all(torch.equal(got[k], expected[k]) for k in expected), (world, rank)
+            assert all(got[k].dtype == expected[k].dtype for k in expected)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_each_rank_sends_what_a_ring_all_reduce_sends(jobs):
+    # recursive halving then doubling: 2 n (W - 1) / W bytes of an n-byte gradient (ratio 1.00)
+    for world in WORLDS:
+        for result in w.ok(jobs[world], "sent"):
+            assert result["sent"] <= 1.05 * result["ring"], (world, result)
+            assert result["sent"] == result["ring"], (world, result)
+
+
+# --- what is refused, on every rank -------------------------------------------------------------
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_refusals_on_four_ranks(jobs):
+    results = w.ok(jobs[4], "refusals")
+    for rank, got in enumerate(results):
+        if rank < 3:  # a group of three ranks: no fixed partners
+            assert got["three_ranks"][:2] == ("raised", "ValueError")
+            assert "world size that is a power of two" in got["three_ranks"][2]
+            assert "got 3 ranks" in got["three_ranks"][2]
+        assert got["uneven"][:2] == ("raised", "ValueError")
+        assert "different numbers of grains (2 to 4)" in got["uneven"][2]
+        assert got["unsynced"][:2] == ("raised", "ValueError")
+        assert "parameters differ across ranks" in got["unsynced"][2]
+        if rank == 1:  # its own error; the others hear of it in the same step
+            assert got["failing"] == ("raised", "KeyError", '"rank 1\'s loss"')
+        else:
+            assert got["failing"] == (
+                "raised",
+                "RuntimeError",
+                "fr.distributed.grad_and_value: rank 1 raised in its grains (see its error)",
+            )
+        assert got["after"][0] == "returned"  # the group goes on after every refusal
+        fr.testing.assert_trees_close(got["after"][1], results[0]["after"][1], rtol=0, atol=0)
+
+
+# --- one process: the tree, the draws, the options ---------------------------------------------
+
+
+def _mlp() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Dropout(0.3), nn.Linear(12, 3))
+    return net, {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+
+
+def test_the_gradient_is_the_tree_of_the_grains_gradients(one_thread):
+    net, params = _mlp()
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(net, fr.State(p, {}), x)[0], y)
+
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    x_before, p_versions = x.clone(), [t._version for t in params.values()]
+    rng = torch.get_rng_state()
+    step = fr.distributed.grad_and_value(loss_fn, grain=2, seed=5)
+    step.grains.step = 3  # type: ignore[union-attr]
+    grads, loss = step(params, x, y)
+    assert torch.equal(torch.get_rng_state(), rng)  # the caller's generator as it was
+    # the oracle: each grain alone, its draws keyed by (seed, step, position), the tree, / 8
+    parts = []
+    for p in range(8):
+        torch.manual_seed(grain_seed(5, 3, p))
+        g, v = torch.func.grad_and_value(loss_fn)(
+            params, x[2 * p : 2 * p + 2], y[2 * p : 2 * p + 2]
+        )
+        parts.append([*g.values(), v])
+    *expected, total = tree_sum(parts)
+    assert all(torch.equal(a, e / 8) for a, e in zip(grads.values(), expected))
+    assert torch.equal(loss, total / 8)
+    assert torch.equal(x, x_before) and [t._version for t in params.values()] == p_versions
+    assert step.grains.step == 4  # type: ignore[union-attr]
+    again, _ = step(params, x, y)  # the next step draws other masks
+    assert not all(torch.equal(a, b) for a, b in zip(again.values(), grads.values()))
+    net.eval()  # without dropout: the full batch's gradient, summed in another order
+    plain, _ = fr.grad_and_value(loss_fn)(params, x, y)
+    fr.testing.assert_trees_close(step(params, x, y)[0], plain, rtol=1e-5, atol=1e-6)
+
+
+def test_batchnorm_normalises_each_grain_alone(one_thread):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
+    state = fr.state(net)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        out, new = fr.apply(net, fr.State(p, state.buffers), x)
+        return out.square().mean(), new.buffers["1.running_mean"]
+
+    x = torch.randn(8, 4)
+    grads, (_, means) = fr.distributed.grad_and_value(loss_fn, grain=4, has_aux=True)(
+        state.params, x
+    )
+    (first, _), (second, _) = (
+        fr.grad_and_value(loss_fn, has_aux=True)(state.params, x[i : i + 4]) for i in (0, 4)
+    )
+    assert all(torch.equal(grads[k], (first[k] + second[k]) / 2) for k in grads)
+    assert len(means) == 2 and not torch.equal(means[0], means[1])  # each grain's statistics
+
+
+def _loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    return (p["w"] * x).sum()
+
+
+def _policy() -> Any:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "shown"),
+    [
+        ("shard", lambda: True, "shard=True"),
+        ("weight", lambda: lambda p, x: 1.0, "weight=function"),
+        ("compress", lambda: "bf16", "compress='bf16'"),
+        ("mp_policy", _policy, "mp_policy=MixedPrecisionPolicy"),
+    ],
+)
+def test_options_the_mode_does_not_take_are_refused(name, value, shown):
+    with pytest.raises(NotImplementedError, match=rf"does not take {shown} yet"):
+        fr.distributed.grad_and_value(_loss, grain=2, **{name: value()})
+
+
+def test_calls_the_mode_does_not_take_are_refused():
+    p, x = {"w": torch.ones(3)}, torch.ones(4, 3)
+    step = fr.distributed.grad_and_value(_loss, grain=2)
+    with pytest.raises(NotImplementedError, match=r"has no accumulate\(\) yet"):
+        step.accumulate(p, [(x,)])
+    with pytest.raises(NotImplementedError, match=r"has no skip\(\) yet"):
+        step.skip(p)
+    with pytest.raises(NotImplementedError, match="runs eagerly only"):
+        torch.func.grad(lambda q: step(q, x)[1])(p)
+    with pytest.raises(NotImplementedError, match="runs eagerly only"):
+        step({"w": torch.ones(3, requires_grad=True)}, x)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "rows", "error", "message"),
+    [
+        ({"grain": 0}, 4, ValueError, r"grain must be a number of samples >= 1, got grain=0"),
+        ({"grain": 2.0}, 4, TypeError, r"grain must be an int, got 2.0"),
+        ({"grain": 2, "seed": "a"}, 4, TypeError, r"seed must be an int"),
+        ({"grain": 3}, 4, ValueError, r"grain=3 does not divide this rank's batch of 4 samples"),
+        (
+            {"grain": 2},
+            6,
+            ValueError,
+            r"grain=2 cuts this rank's batch into 3 grains; the grains per rank must be a power of two",
+        ),
+    ],
+)
+def test_bad_grains_are_refused_naming_the_argument(kwargs, rows, error, message):
+    with pytest.raises(error, match=message):
+        fr.distributed.grad_and_value(_loss, **kwargs)({"w": torch.ones(3)}, torch.ones(rows, 3))
+
+
+def test_every_batch_tensor_must_have_the_same_rows():
+    step = fr.distributed.grad_and_value(lambda p, x, *, y: _loss(p, x) + y.sum(), grain=2)
+    with pytest.raises(ValueError, match=r"must be alike: rows args\[1\]: 4, kwargs\['y'\]: 2"):
+        step({"w": torch.ones(3)}, torch.ones(4, 3), y=torch.ones(2))
