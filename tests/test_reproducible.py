@@ -263,3 +263,15 @@ def test_every_batch_tensor_must_have_the_same_rows():
     step = fr.distributed.grad_and_value(lambda p, x, *, y: _loss(p, x) + y.sum(), grain=2)
     with pytest.raises(ValueError, match=r"must be alike: rows args\[1\]: 4, kwargs\['y'\]: 2"):
         step({"w": torch.ones(3)}, torch.ones(4, 3), y=torch.ones(2))
+
+
+def test_gradients_that_autograd_shares_or_expands_are_only_read():
+    # (a + b).sum(): both gradients may be one expanded tensor of ones; the sums above the
+    # grains' own level go into tensors the tree made, never into those
+    p = {"a": torch.zeros(3), "b": torch.zeros(3), "c": torch.zeros(())}
+    step = fr.distributed.grad_and_value(
+        lambda p, x: (p["a"] + p["b"]).sum() + (p["c"] * x).sum(), grain=1, op="sum"
+    )
+    grads, _ = step(p, torch.arange(8.0))
+    assert torch.equal(grads["a"], torch.full((3,), 8.0)) and torch.equal(grads["b"], grads["a"])
+    assert torch.equal(grads["c"], torch.tensor(28.0))

@@ -110,15 +110,28 @@ def tree_sum(parts: Iterable[list[Any]]) -> list[Any]:
     for part in parts:
         level, node = 0, part
         while stack and stack[-1][0] == level:
-            node = _add(stack.pop()[1], node)
+            node = _add(stack.pop()[1], node, into=level > 0)
             level += 1
         stack.append((level, node))
     assert len(stack) == 1, "tree_sum: a power of two of parts"
     return stack[0][1]
 
 
-def _add(left: list[Any], right: list[Any]) -> list[Any]:
-    return [a + b if isinstance(a, torch.Tensor) else a for a, b in zip(left, right)]
+def _add(left: list[Any], right: list[Any], *, into: bool) -> list[Any]:
+    """``left + right`` leaf by leaf; ``into``: in ``left``'s tensors, which a sum made (ours).
+
+    A part as it came (a gradient autograd gave, which may be expanded or
+    shared) is only ever read. The same bits either way: one rounding each.
+    """
+    k = [i for i, t in enumerate(left) if isinstance(t, torch.Tensor)]
+    a, b = [left[i] for i in k], [right[i] for i in k]
+    if into:
+        torch._foreach_add_(a, b)
+        return left
+    out = list(left)
+    for i, t in zip(k, torch._foreach_add(a, b)):
+        out[i] = t
+    return out
 
 
 class Grains:
@@ -367,7 +380,7 @@ def _reduced(
         if world > 1:
             halving_doubling(flat, rank, world, group, caller)
         if op == "mean" and (flat.is_floating_point() or flat.is_complex()):
-            flat = flat / total
+            flat.div_(total)
         at = 0
         for k in ks:
             t = leaves[k]
