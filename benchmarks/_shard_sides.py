@@ -48,14 +48,50 @@ DDP_ADAMW = "DDP + AdamW"
 DDP_ZERO = "DDP + ZeroRedundancyOptimizer"
 FSDP2 = "FSDP2 + AdamW"
 ZERO = {1: "fr ZeRO-1", 2: "fr ZeRO-2", 3: "fr ZeRO-3"}
+# docs/sharding.md's ZeRO-3 loop: torch.optim.AdamW over the shards, loss.backward(); and the
+# same with fr.clear_caches() after every step (what freplicate's buffer pools keep, measured)
+ZERO3_TORCH = "fr ZeRO-3 + torch.optim"
+ZERO3_CLEARED = "fr ZeRO-3 + torch.optim, pools cleared"
+# mixed precision (issue 30): FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+# on fully_shard (each unit and the root) and as apply_sharded's mp_policy=, the loss in float32
+BF16 = ", bf16"
+FSDP2_BF16 = FSDP2 + BF16
+ZERO3_BF16 = ZERO3_TORCH + BF16
 COMPILED = " compiled"
 SIDES = (
     DDP_ADAMW,
     DDP_ZERO,
     FSDP2,
     *ZERO.values(),
+    ZERO3_TORCH,
+    ZERO3_CLEARED,
+    FSDP2_BF16,
+    ZERO3_BF16,
     *(z + COMPILED for z in ZERO.values()),
 )
+# hybrid sharding (HSDP, issue 30) on 4 ranks: a 2 x 2 DeviceMesh ("replicate", "shard"),
+# fully_shard(mesh=mesh) and apply_sharded(group=mesh), beside DDP + AdamW on the 4 ranks
+MESH = ", 2x2 mesh"
+FSDP2_HSDP = FSDP2 + MESH
+ZERO3_HSDP = ZERO3_TORCH + MESH
+HSDP_SIDES = (DDP_ADAMW, FSDP2_HSDP, ZERO3_HSDP)
+HSDP_WORLD, HSDP_SHAPE = 4, (2, 2)
+# the side each one is held to after 3 steps (``agree``): DDP + AdamW's, but bf16 compute's and
+# the mesh's ZeRO-3, held to FSDP2 with the same policy or mesh (bit for bit, docs/sharding.md)
+REFERENCE = {ZERO3_BF16: FSDP2_BF16, ZERO3_HSDP: FSDP2_HSDP}
+#: a Hugging Face ``LlamaForCausalLM`` from a config, random weights (``build``: 24M parameters)
+LLAMA = "llama"
+LLAMA_CONFIG: dict[str, Any] = {
+    "vocab_size": 8192,
+    "hidden_size": 384,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 6,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+LLAMA_BATCH, LLAMA_SEQ = 2, 128
 STATEFUL = {DDP_ADAMW: "adamw", DDP_ZERO: "zero", FSDP2: "fsdp2"}
 
 
@@ -75,15 +111,72 @@ def missing(name: str) -> str | None:
 
 def make(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: Any) -> Any:
     """Side ``name`` on ``model`` (left as it is: each side trains its own copy)."""
-    if name in STATEFUL:
-        return Stateful(model, x, y, STATEFUL[name])
+    bf16, mesh = name.endswith(BF16), name.endswith(MESH)
+    base = name.removesuffix(BF16).removesuffix(MESH)
+    if base in STATEFUL:
+        return Stateful(model, x, y, STATEFUL[base], bf16=bf16, mesh=mesh)
+    if base in (ZERO3_TORCH, ZERO3_CLEARED):
+        return Zero3Torch(model, x, y, cleared=base == ZERO3_CLEARED, bf16=bf16, mesh=mesh)
     stage = next(s for s, z in ZERO.items() if name.startswith(z))
     return Functional(model, x, y, stage, compiled=name.endswith(COMPILED), **kw)
 
 
+class Llama(nn.Module):
+    """``LlamaForCausalLM`` whose forward gives the logits as rows (``F.cross_entropy``'s input)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.llama = LlamaForCausalLM(LlamaConfig(**LLAMA_CONFIG))
+        layers = LLAMA_CONFIG["num_hidden_layers"]
+        # ZeRO-3's units, FSDP2's and apply_sharded's: each decoder layer (torchtitan's
+        # wrapping; the embedding, final norm and head the root's, kept for the whole step)
+        self.units = [f"llama.model.layers.{i}" for i in range(layers)]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.llama(input_ids=ids).logits.flatten(0, 1)  # type: ignore[no-any-return]
+
+
+def build(name: str) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """``(model, input, target)``: ``_common.build``'s models, and ``LLAMA`` (seeded with 0)."""
+    if name != LLAMA:
+        from ._common import build as common
+
+        return common(name)
+    torch.manual_seed(0)
+    model = Llama()
+    ids = torch.randint(0, LLAMA_CONFIG["vocab_size"], (LLAMA_BATCH, LLAMA_SEQ + 1))
+    return model, ids[:, :-1], ids[:, 1:].flatten()
+
+
+def mp_policy() -> Any:
+    """FSDP2's ``MixedPrecisionPolicy``: gathered and computed in bf16, reduced in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def hsdp_mesh() -> Any:
+    """The 2-D mesh of hybrid sharding: ``HSDP_SHAPE`` = (replicate, shard), on ``"cpu"`` (gloo);
+    every rank calls it (it makes the mesh's groups)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", HSDP_SHAPE, mesh_dim_names=("replicate", "shard"))
+
+
+def unit_names(model: nn.Module) -> list[str]:
+    """ZeRO-3's units (FSDP2's, apply_sharded's): the model's ``units`` where it names them
+    (``Llama``), else the direct children that hold parameters."""
+    named = getattr(model, "units", None)
+    if isinstance(named, list):
+        return named
+    return [n for n, m in model.named_children() if next(m.parameters(), None) is not None]
+
+
 def units(model: nn.Module) -> list[nn.Module]:
-    """The direct children that hold parameters: ZeRO-3's units (FSDP2's, apply_sharded's)."""
-    return [m for m in model.children() if next(m.parameters(), None) is not None]
+    """The modules ``unit_names`` names."""
+    return [model.get_submodule(n) for n in unit_names(model)]
 
 
 # --- the stateful sides -------------------------------------------------------------------
@@ -91,24 +184,34 @@ def units(model: nn.Module) -> list[nn.Module]:
 
 class Stateful:
     """DDP + AdamW (``kind="adamw"``), DDP + ZeroRedundancyOptimizer(AdamW) (``"zero"``), or
-    FSDP2's ``fully_shard`` on every unit and on the root + AdamW (``"fsdp2"``).
+    FSDP2's ``fully_shard`` on every unit and on the root + AdamW (``"fsdp2"``; ``bf16``: with
+    ``mp_policy()``; ``mesh``: on ``hsdp_mesh()``, hybrid sharding).
 
     ``torch.optim.AdamW`` as it comes: on CPU its default, the single-tensor loop.
     """
 
-    def __init__(self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, kind: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        kind: str,
+        bf16: bool = False,
+        mesh: bool = False,
+    ) -> None:
         own = copy.deepcopy(model)
         options: dict[str, Any] = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
         self.kind, self.module, self.mark = kind, own, _no_mark
         if kind == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             # on the CPU over gloo: a 1-D mesh of device type "cpu" over the default group
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            on = hsdp_mesh() if mesh else init_device_mesh("cpu", (dist.get_world_size(),))
+            policy = mp_policy() if bf16 else MixedPrecisionPolicy()
             for unit in units(own):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(own, mesh=mesh)
+                fully_shard(unit, mesh=on, mp_policy=policy)
+            fully_shard(own, mesh=on, mp_policy=policy)
             run: nn.Module = own
             self.opt: Any = torch.optim.AdamW(own.parameters(), **options)
         else:
@@ -126,7 +229,8 @@ class Stateful:
 
     def step(self) -> None:
         self.opt.zero_grad()
-        F.cross_entropy(self.run(self.x), self.y).backward()
+        # .float(): bf16 logits (mixed precision) into a float32 loss; float32's is itself
+        F.cross_entropy(self.run(self.x).float(), self.y).backward()
         self.mark("backward")
         self.opt.step()
         self.mark("update")
@@ -267,8 +371,10 @@ class Functional:
         if stage == 3:
             sharded = fr.distributed.apply_sharded
 
+            names_of_units = unit_names(model)
+
             def zero3_loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
-                out, _ = sharded(module, fr.State(p, buffers), x)
+                out, _ = sharded(module, fr.State(p, buffers), x, units=names_of_units)
                 return F.cross_entropy(out, y)
 
             if compiled:  # the loss compiled (one graph), differentiated by autograd outside it
@@ -346,10 +452,84 @@ class Functional:
         return [("params", params), ("shards", self.mine), ("opt state", self.m + self.v)]
 
 
+class Zero3Torch:
+    """docs/sharding.md's ZeRO-3 loop: this rank's rows as tensors of its own (``requires_grad``),
+    ``torch.optim.AdamW`` over them, and ``zero_grad``, ``loss.backward()`` through
+    ``fr.distributed.apply_sharded`` (this rank's rows of the mean gradient into ``.grad``),
+    ``step`` (the rows updated in place). The module it runs is a copy on the meta device.
+    ``cleared``: ``fr.clear_caches()`` after every step, which lets go of the communication
+    buffers ``fr.distributed`` pools for the next step (a measurement of what they hold, not a
+    recipe: the next step plans its calls again). ``bf16``: ``apply_sharded(...,
+    mp_policy=mp_policy())``, the loss of the bf16 logits in float32 (FSDP2's with the same
+    policy). ``mesh``: hybrid sharding, ``group=hsdp_mesh()`` (the shards the mesh's rows)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        cleared: bool = False,
+        bf16: bool = False,
+        mesh: bool = False,
+    ) -> None:
+        s = fr.state(model)
+        self.cleared = cleared
+        buffers = {k: v.clone() for k, v in s.buffers.items()}
+        self.module, self.mark = copy.deepcopy(model).to("meta"), _no_mark
+        self.layout = {k: (v.shape, v.dtype) for k, v in s.params.items()}
+        self.group = group = hsdp_mesh() if mesh else None
+        self.shards = {
+            k: t.detach().clone().requires_grad_()
+            for k, t in fr.distributed.shard(s.params, group=group).items()
+        }
+        self.opt = torch.optim.AdamW(
+            self.shards.values(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD
+        )
+        names, module = unit_names(model), self.module
+        options: dict[str, Any] = {"units": names}
+        if group is not None:
+            options["group"] = group
+        if bf16:
+            options["mp_policy"] = mp_policy()
+
+        def loss_fn(shards: dict[str, torch.Tensor]) -> torch.Tensor:
+            out, _ = fr.distributed.apply_sharded(module, fr.State(shards, buffers), x, **options)
+            return F.cross_entropy(out.float(), y)
+
+        self.loss_fn = loss_fn
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.loss_fn(self.shards).backward()
+        self.mark("backward", grads=[t.grad for t in self.shards.values()])
+        self.opt.step()
+        self.mark("update")
+        if self.cleared:
+            fr.clear_caches()
+
+    def full(self) -> dict[str, torch.Tensor]:
+        like = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in self.layout.items()}
+        mine = {k: t.detach() for k, t in self.shards.items()}
+        return fr.distributed.all_gather(mine, like, group=self.group)  # type: ignore[no-any-return]
+
+    def _state(self) -> list[torch.Tensor]:
+        return [t for s in self.opt.state.values() for t in s.values() if _is_tensor(t)]
+
+    def state_bytes(self) -> int:
+        return sum(t.nbytes for t in self._state())
+
+    def roles(self) -> list[tuple[str, list[torch.Tensor]]]:
+        shards = list(self.shards.values())
+        grads = [t.grad for t in shards if t.grad is not None]
+        return [("shards", shards), ("grads", grads), ("opt state", self._state())]
+
+
 def agree(sides: dict[str, Any], steps: int = 3) -> dict[str, float]:
-    """Each side's largest parameter difference to the first's after ``steps`` steps from the
-    same init, as a fraction of the first's largest parameter update over those steps (a wrong
-    step is off by about the update; rounding, by far less). Every rank calls it (FSDP2 gathers)."""
+    """Each side's largest parameter difference to its reference's after ``steps`` steps from
+    the same init, as a fraction of the reference's largest parameter update over those steps
+    (a wrong step is off by about the update; rounding, by far less). The reference is
+    ``REFERENCE``'s where it names one of ``sides``, else the first side. Every rank calls it
+    (FSDP2 gathers)."""
     finals = {}
     first = next(iter(sides))
     init = {k: p.clone() for k, p in sides[first].full().items()}
@@ -357,12 +537,18 @@ def agree(sides: dict[str, Any], steps: int = 3) -> dict[str, float]:
         for _ in range(steps):
             side.step()
         finals[name] = side.full()
-    ref = finals[first]
-    update = max(float((p - init[k]).abs().max()) for k, p in ref.items())
-    return {
-        name: max(float((p - ref[k]).abs().max()) for k, p in params.items()) / update
-        for name, params in finals.items()
-    }
+    out = {}
+    for name, params in finals.items():
+        ref = finals[reference(name, sides)]
+        update = max(float((p - init[k]).abs().max()) for k, p in ref.items())
+        out[name] = max(float((p - ref[k]).abs().max()) for k, p in params.items()) / update
+    return out
+
+
+def reference(name: str, sides: Any) -> str:
+    """The side ``name`` is held to among ``sides`` (``agree``)."""
+    ref = REFERENCE.get(name)
+    return ref if ref is not None and ref in sides else next(iter(sides))
 
 
 def check_zero3(model_name: str) -> dict[str, float]:
@@ -467,7 +653,8 @@ def _storages(tensors: Iterable[Any]) -> dict[int, int]:
 
 
 def pools() -> dict[int, tuple[str, int]]:
-    """freplicate's pooled communication buffers: data_ptr -> (``kind send|recv|res``, bytes)."""
+    """freplicate's pooled communication buffers: data_ptr -> (``kind send|recv|res``, or
+    ``shared send``: ZeRO-3's unit gathers', bytes)."""
     out: dict[int, tuple[str, int]] = {}
     try:
         from freplicate._distributed import _plans
@@ -484,6 +671,18 @@ def pools() -> dict[int, tuple[str, int]]:
                     got = _storage(entry[0])
                     if got is not None:
                         out[got[0]] = (f"{kind} {which}", got[1])
+    # the send buffers ZeRO-3's unit gathers share across layouts of one size (_transport's)
+    try:
+        from freplicate._distributed import _transport
+
+        shared = list(_transport._SHARED.values())
+    except (ImportError, AttributeError):
+        shared = []
+    for pool in shared:
+        for entry in getattr(pool, "entries", None) or []:
+            got = _storage(entry[0])
+            if got is not None:
+                out.setdefault(got[0], ("shared send", got[1]))
     return out
 
 

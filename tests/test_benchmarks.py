@@ -201,14 +201,34 @@ def test_the_shard_benchmark_runs_by_name_with_its_memory_table(tmp_path: Path) 
         "AdamW step: fr ZeRO-2 / DDP + ZeroRedundancyOptimizer",
         "AdamW step: fr ZeRO-1 / DDP + AdamW",
         "AdamW step: FSDP2 + AdamW / DDP + AdamW",
+        # issue 30: docs/sharding.md's ZeRO-3 loop, mixed precision beside FSDP2's
+        "AdamW step: fr ZeRO-3 + torch.optim / FSDP2 + AdamW",
+        "AdamW step: fr ZeRO-3 + torch.optim, bf16 / FSDP2 + AdamW, bf16",
+        "AdamW step: fr ZeRO-3 + torch.optim, 2x2 mesh / FSDP2 + AdamW, 2x2 mesh",
     ):
         assert expected in measures, measures
+    # hybrid sharding on 4 ranks (a 2 x 2 mesh)
+    assert any("small_mlp, 4 ranks" in row for row in table[2:]), table
     lines = run.stdout.splitlines()
+    # the bf16 and mesh ZeRO-3 sides reach their FSDP2 twins' parameters bit for bit
+    for twin in ("FSDP2 + AdamW, bf16", "FSDP2 + AdamW, 2x2 mesh"):
+        assert re.search(rf" 0\.0e\+00 \(of {re.escape(twin)}'s\)", run.stdout), run.stdout
+    # the collectives a warm step launches, counted: ZeRO-3 beside FSDP2, on 2 and on 4 ranks
+    (counts,) = [i for i, line in enumerate(lines) if line.startswith("collectives (rank 0")]
+    counted = {tuple(line.split("  ")[0:1]) for line in lines[counts + 2 :] if line}
+    assert ("fr ZeRO-3 + torch.optim, 2x2 mesh",) in counted, lines[counts:]
+    assert ("FSDP2 + AdamW, bf16",) in counted, lines[counts:]
     # every side reached DDP + AdamW's parameters before it was timed
     assert any(line.startswith("small_mlp: largest parameter difference") for line in lines)
-    memory = [line for line in lines if line.startswith("fr ZeRO-2 ")]
+    mem = lines.index(next(line for line in lines if line.startswith("memory (per rank)")))
+    memory = [line for line in lines[mem:] if line.startswith("fr ZeRO-2 ")]
     # its optimizer state is half of DDP's on each of the 2 ranks
     assert memory and "0.500 / 0.500" in memory[0], run.stdout
+    # and its gradients' storage: its rows alone (issue 30: on gloo too), half of DDP's
+    spans = _columns(lines[mem + 1])
+    cells = [memory[0][a:b].strip() for a, b in spans]
+    grads = [lines[mem][a:b].strip() for a, b in spans].index("grads MiB")
+    assert float(cells[grads + 1]) <= 0.55, memory[0]
     # where the memory goes: a census between steps, after each mark and at the step's peak,
     # its columns adding up to the live heap
     start = lines.index(next(line for line in lines if line.startswith("breakdown: fr ZeRO-2")))
