@@ -93,8 +93,8 @@ def test_scatter_chunks_are_torch_chunk_rows_padded(world):
     for bucket in layout.buckets:
         assert bucket.chunks == world
         for run in bucket.runs:
-            if not run.shape:  # a 0-dim tensor: one value in every rank's chunk
-                assert run.rows == 1 and run.size == 1
+            if not run.shape:  # a 0-dim tensor: a slot per rank in every rank's chunk
+                assert run.whole and run.rows == 1 and run.size == world, run
                 continue
             d0 = run.shape[0]
             assert run.rows == -(-d0 // world)

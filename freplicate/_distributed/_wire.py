@@ -690,7 +690,8 @@ class ReduceScatter(_Rowed):
                 if run.whole:  # this rank's slot in every chunk, the neutral element elsewhere
                     slots = _cells(region, run, 1)  # (w, n, W, *shape)
                     slots.fill_(_neutral(send.dtype))
-                    slots[:, :, rank].copy_(_stacked(part, run).unsqueeze(0).expand(w, -1))
+                    stacked = _stacked(part, run)  # (n, *shape); batched: (n, *batch, *shape)
+                    slots[:, :, rank].copy_(stacked.unsqueeze(0).expand(w, *stacked.shape))
                 elif run.slot == run.size and run.order is None:
                     tensors = list(part.unbind(0)) if isinstance(part, torch.Tensor) else list(part)
                     _chunk_cat(tensors, w, region)  # FSDP2's copy-in, one kernel
@@ -745,10 +746,13 @@ class ReduceScatter(_Rowed):
     def land(
         self, bucket: Bucket, landed: torch.Tensor, res: torch.Tensor | None, rank: int
     ) -> torch.Tensor:
-        """This rank's chunk (copied into ``res``, where given), each whole tensor's slots added."""
-        if res is not None:
-            res.copy_(landed[: bucket.data])
-        return _added(bucket, landed if res is None else res)
+        """This rank's chunk, each whole tensor's slots added (in the dtype the bucket travels
+        in, as the wire would add them), copied into ``res`` where given."""
+        landed = _added(bucket, landed)
+        if res is None:
+            return landed
+        res.copy_(landed[: bucket.data])
+        return res
 
     def start(
         self, send: torch.Tensor, recv: torch.Tensor | None, maximum: bool, group: Any, caller: str
