@@ -87,12 +87,17 @@ def policy(name: str) -> Any:
     }[name]
 
 
-def fsdp2(model: nn.Module, mp: Any, rank: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def fsdp2(
+    model: nn.Module, mp: Any, rank: int, mesh: Any = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """FSDP2 ``fully_shard`` on each block and on the root (over ``mesh``: default 1-D), the
+    same policy (``None``: FSDP2's default), ``torch.optim.AdamW``: the losses and the params."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     own = copy.deepcopy(model)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = mesh or init_device_mesh("cpu", (dist.get_world_size(),))
+    mp = mp or MixedPrecisionPolicy()
     inner = dataclasses.replace(mp, output_dtype=None)  # output_dtype: the root's alone
     for layer in own.layers:
         fully_shard(layer, mesh=mesh, mp_policy=inner)

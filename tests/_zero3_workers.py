@@ -594,8 +594,8 @@ def recording(plan: Any) -> Iterator[Recorder]:
             recorder.keep(recorder.unit(spec), out)
         return out
 
-    def gathered_now(source: Any, shards: Any) -> list[torch.Tensor]:
-        out = gather(source, shards)
+    def gathered_now(source: Any, shards: Any, *how: Any) -> list[torch.Tensor]:
+        out = gather(source, shards, *how)
         if not isinstance(source, pending):  # a gather run now (a started one: ``Recorded``'s)
             recorder.events.append(("gather", recorder.unit(source)))
             recorder.keep(recorder.unit(source), out)

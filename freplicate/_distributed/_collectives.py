@@ -35,7 +35,7 @@ from .._tree import (
 from .._typing import Compress, Op, TensorTree
 from ._agree import debugging
 from ._call import Announced, Call, Request, Send, send_of
-from ._group import check_src, world_size
+from ._group import check_src, groups_of, world_size
 from ._options import Options, reduction, weight_value
 from ._plans import Plan, plan_of
 from ._rules import apply, held, needs_rules, plain
@@ -418,7 +418,9 @@ def shard(tree: TensorTree, *, group: Any = None) -> TensorTree:
 
     Args:
         tree: any tree (parameters, gradients, optimizer state).
-        group: the process group (default: the default group).
+        group: the process group (default: the default group); a
+            ``DeviceMesh`` or a pair ``(replicate_group, shard_group)``: the
+            rows of its shard group (hybrid sharding).
 
     Returns:
         The tree of views; ``tree`` itself without a process group or with one rank.
@@ -431,7 +433,7 @@ def shard(tree: TensorTree, *, group: Any = None) -> TensorTree:
         torch.Size([3, 2])
     """
     caller = "fr.distributed.shard"
-    rank, world = _rank_and_world(group, caller)
+    rank, world = _rank_and_world(groups_of(group, caller).shard, caller)
     if world <= 1:
         return tree
     leaves, spec = flatten_in_order(tree)
@@ -462,7 +464,9 @@ def all_gather(
     Args:
         shards: this rank's shards, a tree of ``like``'s structure.
         like: the full tree (e.g. the parameters before the update).
-        group: the process group (default: the default group).
+        group: the process group (default: the default group); a
+            ``DeviceMesh`` or a pair ``(replicate_group, shard_group)``: its
+            shard group (hybrid sharding: every replica gathers alike).
         check: ``False`` skips the probe of a layout's first use (pass it alike).
 
     Returns:
@@ -480,6 +484,7 @@ def all_gather(
         torch.Size([3, 2])
     """
     caller = "fr.distributed.all_gather"
+    group = groups_of(group, caller).shard
     rank, world = _rank_and_world(group, caller)
     if world <= 1:
         return shards

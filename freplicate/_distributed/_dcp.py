@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .._tree import describe, first_difference, flatten_in_order, unflatten
 from .._typing import DeviceSpec, TensorTree
-from ._group import comm_device, world_size
+from ._group import comm_device, groups_of, world_size
 
 __all__ = ["agree", "load_sharded", "save_sharded"]
 
@@ -75,7 +75,10 @@ def save_sharded(
             structure; only its tensors' shapes and dtypes are read, so it may
             live on the ``meta`` device (e.g. ``fr.state`` of a meta module,
             and an optimizer's ``init`` of those parameters).
-        group: the process group (default: the default group).
+        group: the process group (default: the default group); a
+            ``DeviceMesh`` or a pair ``(replicate_group, shard_group)``
+            (hybrid sharding): the first replica's shard group writes, the
+            other replicas (which hold the same rows) wait for it.
 
     Raises:
         TypeError: a bad ``path`` or ``group``.
@@ -94,6 +97,17 @@ def save_sharded(
         4
     """
     directory = _check_path(_SAVE, path)
+    groups = groups_of(group, _SAVE)
+    if groups.replicate is not None and world_size(groups.replicate, _SAVE) > 1:
+        # hybrid sharding: the first replica's shard group writes; the others hold the same
+        # rows (the same gradients, the same updates) and wait for it
+        if dist.get_rank(groups.replicate) != 0:
+            dist.barrier(group=groups.replicate)
+            return
+        save_sharded(directory, tree, like, group=groups.shard)
+        dist.barrier(group=groups.replicate)
+        return
+    group = groups.shard
     rank, world = _rank_and_world(group, _SAVE)
     if world == 0:
         return
@@ -148,7 +162,10 @@ def load_sharded(
         tree: this rank's layout: shards, whole tensors, numbers and strings
             (e.g. the run's own start, or ``fr.distributed.shard`` of meta
             parameters). Never modified.
-        group: the process group (default: the default group).
+        group: the process group (default: the default group); a
+            ``DeviceMesh`` or a pair ``(replicate_group, shard_group)``: each
+            replica reads its rows over the shard group (any mesh shape reads
+            a checkpoint of any other).
         device: where the loaded tensors go (default: each leaf's own
             device; a meta leaf's the group's: the CPU for gloo, the
             current CUDA device for NCCL).
@@ -176,6 +193,7 @@ def load_sharded(
     """
     directory = _check_path(_LOAD, path)
     target_device = None if device is None else _check_device(_LOAD, device)
+    group = groups_of(group, _LOAD).shard  # hybrid sharding: each replica reads its rows
     rank, world = _rank_and_world(group, _LOAD)
     if world == 0:
         return tree

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -28,6 +28,7 @@ from .._torch import is_compiling
 
 __all__ = [
     "CommError",
+    "Groups",
     "ProtocolError",
     "backend_of",
     "check_src",
@@ -35,6 +36,7 @@ __all__ = [
     "comm_device",
     "forward_ad_level",
     "group_key",
+    "groups_of",
     "refuse_traced_transforms",
     "world_size",
 ]
@@ -108,8 +110,9 @@ def _world_size(group: Any, caller: str) -> int:
     if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
         raise TypeError(
             f"{caller}: group must be a torch.distributed process group (e.g. from "
-            f"dist.new_group) or None for the default group, got {group!r} of type "
-            f"{type(group).__name__}"
+            "dist.new_group) or None for the default group (a DeviceMesh, or a pair of groups "
+            "for hybrid sharding, is taken by apply_sharded, shard, all_gather, materialize, "
+            f"save_sharded and load_sharded), got {group!r} of type {type(group).__name__}"
         )
     if not initialised:
         _check_launcher(caller)
@@ -125,6 +128,74 @@ def _check_launcher(caller: str) -> None:
             "started several processes) but no torch.distributed process group is "
             "initialised, so each rank would train alone; call "
             "torch.distributed.init_process_group() first (backend 'gloo' on CPU, 'nccl' on CUDA)"
+        )
+
+
+class Groups(NamedTuple):
+    """What ``group`` names, resolved: the group rows are split over, and (hybrid sharding,
+    HSDP) the group this rank's rows are replicated over."""
+
+    shard: Any  # a process group, or None for the default one
+    replicate: Any = None  # a process group, or None: no replication
+
+
+def groups_of(group: Any, caller: str) -> Groups:
+    """``group`` as its process groups: a group (or ``None``) as it is; a 1-D ``DeviceMesh``
+    its group; a 2-D one, ``(replicate, shard)`` as FSDP2 reads it, its two; a pair of
+    groups ``(replicate, shard)``, in a 2-D mesh's order, the same (checked: the two meet
+    in this rank alone, and every rank of the one has a replica in the other's).
+
+    Raises:
+        TypeError: neither a process group, a ``DeviceMesh`` nor a pair of groups.
+        ValueError: a mesh of more than 2 dims; a pair that does not make a 2-D grid.
+    """
+    if (
+        group is None
+        or group is _NOT_A_MEMBER
+        or (isinstance(group, int) and group == _NOT_A_MEMBER)  # a rank outside: warned later
+        or (dist.is_available() and isinstance(group, dist.ProcessGroup))
+    ):
+        return Groups(group)
+    if isinstance(group, tuple):
+        if len(group) != 2 or not all(
+            dist.is_available() and isinstance(g, dist.ProcessGroup) for g in group
+        ):
+            raise TypeError(
+                f"{caller}: group as a pair must be (replicate_group, shard_group), two "
+                f"process groups in a 2-D DeviceMesh's order, got {group!r}"
+            )
+        replicate, shard = group
+        _check_grid(caller, replicate, shard)
+        return Groups(shard, replicate)
+    if dist.is_available():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(group, DeviceMesh):
+            if group.ndim == 1:
+                return Groups(group.get_group())
+            if group.ndim == 2:
+                return Groups(group.get_group(1), group.get_group(0))
+            raise ValueError(
+                f"{caller}: group: a DeviceMesh of 1 dim (shard) or 2 dims (replicate, shard), "
+                f"got one of {group.ndim} dims {tuple(group.shape)}"
+            )
+    raise TypeError(
+        f"{caller}: group must be a torch.distributed process group, a DeviceMesh, a pair "
+        f"(replicate_group, shard_group) or None for the default group, got {group!r} of "
+        f"type {type(group).__name__}"
+    )
+
+
+def _check_grid(caller: str, replicate: Any, shard: Any) -> None:
+    """The pair makes a 2-D grid through this rank: the two groups share this rank alone."""
+    if not dist.is_initialized():
+        return
+    shared = set(dist.get_process_group_ranks(replicate)) & set(dist.get_process_group_ranks(shard))
+    if shared != {dist.get_rank()}:
+        raise ValueError(
+            f"{caller}: group=(replicate_group, shard_group) must meet in this rank alone "
+            f"(rank {dist.get_rank()}), as a 2-D mesh's row and column do; they share the "
+            f"ranks {sorted(shared)}"
         )
 
 

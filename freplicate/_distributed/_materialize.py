@@ -38,7 +38,7 @@ from .._tree import describe
 from .._typing import DeviceSpec
 from ._collectives import shard  # the split every fr.distributed function uses
 from ._dcp import agree
-from ._group import comm_device, world_size
+from ._group import comm_device, groups_of, world_size
 from ._units import unit_names
 
 __all__ = ["materialize"]
@@ -97,12 +97,15 @@ def materialize(
 
     Args:
         module: the module (on the meta device, or any: its values are not read).
-        group: the process group (default: the default group).
+        group: the process group (default: the default group), or a 2-D
+            ``DeviceMesh`` (replicate, shard) or pair of groups, as
+            ``apply_sharded``'s: the rows of the shard group's ranks.
         units: qualified names of submodules (as ``named_modules()``; ``""``
             for the whole module) made one at a time, each with its
             submodules except those that are units themselves. A module in
-            no unit is made alone. Default: each direct child of ``module``
-            that holds parameters. A reset that uses the tensors of its
+            no unit is made alone. Default: ``apply_sharded``'s default
+            units (one per repeated block and the modules beside the
+            blocks). A reset that uses the tensors of its
             submodules (``nn.MultiheadAttention``'s, ``nn.Transformer``'s)
             must lie in the same unit as they.
         seed: ``None`` (draw from the global generator, in module order) or an
@@ -145,6 +148,7 @@ def materialize(
         >>> state.buffers["1.running_var"]
         tensor([1., 1., 1.])
     """
+    group = groups_of(group, _CALLER).shard  # a mesh's shard dim: each replica makes its rows
     world = world_size(group, _CALLER)
     if world == 0:
         raise ValueError(f"{_CALLER}: this rank is not in group, so it holds no shards")

@@ -51,10 +51,10 @@ from .._checks import check_op
 from .._state import State
 from .._torch import is_compiling, transform_level
 from .._tree import describe
-from ._group import ProtocolError, comm_device, forward_ad_level, world_size
+from ._group import ProtocolError, comm_device, forward_ad_level, groups_of, world_size
 from ._options import Options
 from ._precision import Precision, cast, cast_inputs, cast_output, precision_of
-from ._rules import Pending, apply, failed, needs_rules, plain, transposed
+from ._rules import Pending, apply, as_rule, failed, needs_rules, plain, transposed
 from ._units import Units, units_of
 from ._wire import ALL_GATHER, ALL_REDUCE, Spec, order_of, replaced, valid_rows
 
@@ -113,7 +113,13 @@ def apply_sharded(
         *args: positional arguments of the forward.
         units: the submodules gathered one at a time (qualified names).
         op: ``"mean"`` or ``"sum"``: how the gradient is reduced over the ranks.
-        group: the process group (default: the default group).
+        group: the process group (default: the default group); a
+            ``DeviceMesh`` (FSDP2's: 1-D, or 2-D ``(replicate, shard)``) or a
+            pair of groups ``(replicate_group, shard_group)`` in that order:
+            hybrid sharding (HSDP), rows over the shard group (the shards
+            ``fr.distributed.shard(params, group=mesh)`` gives), each
+            gradient's rows reduce-scattered over it, then all-reduced over
+            the replicate group (``op`` over all the ranks); eagerly only.
         mp_policy: FSDP2's ``torch.distributed.fsdp.MixedPrecisionPolicy``,
             with its meaning: each parameter cast to ``param_dtype`` before
             its gather (the wire carries it) and the forward computed in it,
@@ -152,7 +158,15 @@ def apply_sharded(
     check_op(_CALLER, op)
     precision = precision_of(_CALLER, mp_policy)
     plan = units_of(module, units)
+    groups = groups_of(group, _CALLER)
+    group = groups.shard
     world = world_size(group, _CALLER)
+    replicas = 0 if groups.replicate is None else world_size(groups.replicate, _CALLER)
+    if world <= 1 and replicas > 1:
+        raise ValueError(
+            f"{_CALLER}: group's shard group has one rank and its replicate group {replicas}: "
+            "nothing to shard (replicated training is fr.distributed.grad_and_value's)"
+        )
     args, kwargs = cast_inputs(precision, args, kwargs)
     if world <= 1:
         dtype = None if precision is None else precision.param
@@ -164,7 +178,11 @@ def apply_sharded(
     _check_shards(plan, state.params, rank, world)
     _check_held(module, state)
     spec = Spec(replaced(_OPTIONS, op=op), group, world, _CALLER, True, (), pooled=False)
-    session = _Session(plan, state.params, spec, precision)
+    replicate = None
+    if replicas > 1:  # HSDP: the gradient's rows all-reduced over the replicas too
+        options = replaced(_CLOSING, op=op)
+        replicate = Spec(options, groups.replicate, replicas, _CALLER, True, (), pooled=False)
+    session = _Session(plan, state.params, spec, precision, replicate)
     if is_compiling() or transform_level() is not None or torch.is_inference_mode_enabled():
         out, new = session.all_at_once(module, state, args, kwargs)
     else:
@@ -244,7 +262,10 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def forward(  # type: ignore[override]
-        source: Pending | Spec, precision: Precision | None, *shards: torch.Tensor
+        source: Pending | Spec,
+        precision: Precision | None,
+        replicate: Spec | None,
+        *shards: torch.Tensor,
     ) -> tuple[torch.Tensor, ...]:
         if isinstance(source, Pending):
             return tuple(source.finish())
@@ -252,21 +273,27 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        source, precision, *shards = inputs
+        source, precision, replicate, *shards = inputs
         ctx.spec = source.spec if isinstance(source, Pending) else source
         ctx.inputs = [(tuple(t.shape), order_of(t)) for t in shards]
         ctx.reduce = None if precision is None else precision.wire
         ctx.dtypes = [t.dtype for t in shards]
+        ctx.replicate = replicate
         ctx.mark_non_differentiable(
             *(o for o in output if not (o.is_floating_point() or o.is_complex()))
         )
 
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        wanted = [k for k, need in enumerate(ctx.needs_input_grad[2:]) if need]
+        wanted = [k for k, need in enumerate(ctx.needs_input_grad[3:]) if need]
         cts = tuple(cast(c, ctx.reduce) for c in cts)  # the policy's reduce_dtype on the wire
         grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
-        return (None, None, *(cast(g, d) for g, d in zip(grads, ctx.dtypes)))
+        if ctx.replicate is not None and wanted:  # HSDP: the rows reduced over the replicas
+            paths = tuple(ctx.spec.paths[k] for k in wanted)
+            over = replaced(as_rule(ctx.replicate, "backward"), paths=paths)
+            for k, g in zip(wanted, apply(over, [grads[k] for k in wanted])):
+                grads[k] = g
+        return (None, None, None, *(cast(g, d) for g, d in zip(grads, ctx.dtypes)))
 
 
 def _on_wire(precision: Precision | None, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -277,14 +304,18 @@ def _on_wire(precision: Precision | None, shards: Sequence[torch.Tensor]) -> lis
 
 
 def _gather(
-    source: Pending | Spec, shards: Sequence[torch.Tensor], precision: Precision | None
+    source: Pending | Spec,
+    shards: Sequence[torch.Tensor],
+    precision: Precision | None,
+    replicate: Spec | None = None,
 ) -> list[torch.Tensor]:
     """The gather of ``shards`` (started: ``source`` a ``Pending``; or now, of ``source``'s
     spec), through ``_Gathered`` where autograd reaches them, plainly where it does not."""
     if isinstance(source, Spec) and (is_compiling() or forward_ad_level()):
+        _eager_only(replicate)
         return apply(source, _ruled(precision, shards))  # traced, or a tangent: the rules
     if needs_rules(shards, _CALLER):
-        return list(_Gathered.apply(source, precision, *shards))
+        return list(_Gathered.apply(source, precision, replicate, *shards))
     return (
         source.finish()
         if isinstance(source, Pending)
@@ -292,16 +323,29 @@ def _gather(
     )
 
 
+def _eager_only(replicate: Spec | None) -> None:
+    """Hybrid sharding's all-reduce over the replicas rides in ``_Gathered``'s backward, which
+    the primitive's rules (traced, transformed) do not run: refused there, but in inference
+    mode, where no gradient can be taken."""
+    if replicate is not None and not torch.is_inference_mode_enabled():
+        raise NotImplementedError(
+            f"{_CALLER}: hybrid sharding (a 2-D mesh, or a (replicate, shard) pair of groups) "
+            "runs eagerly only (or in inference mode): under torch.compile, a torch.func "
+            "transform or forward-mode AD the gather's transpose would not all-reduce over the "
+            "replicas"
+        )
+
+
 def _ruled(precision: Precision | None, shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """The shards cast (differentiably) for a gather through the primitive's own rules, whose
     transpose reduces in the dtype sent: refused where the policy reduces in another."""
     if precision is None or precision.param is None:
         return list(shards)
-    if precision.wire != precision.param:
+    if precision.wire != precision.param and not torch.is_inference_mode_enabled():
         raise NotImplementedError(
             f"{_CALLER}: mp_policy with reduce_dtype={precision.reduce} other than "
-            f"param_dtype={precision.param} runs eagerly only: under torch.compile, a "
-            "torch.func transform, forward-mode AD or inference mode the gather's transpose "
+            f"param_dtype={precision.param} runs eagerly only (or in inference mode): under "
+            "torch.compile, a torch.func transform or forward-mode AD the gather's transpose "
             "reduces in the dtype it sent (give reduce_dtype=None or param_dtype there)"
         )
     return [cast(t, precision.param) for t in shards]
@@ -311,12 +355,18 @@ class _Session:
     """One call of ``apply_sharded``: its gathers, their prefetch, and its saved-tensor tokens."""
 
     def __init__(
-        self, plan: Units, shards: dict[str, Any], spec: Spec, precision: Precision | None
+        self,
+        plan: Units,
+        shards: dict[str, Any],
+        spec: Spec,
+        precision: Precision | None,
+        replicate: Spec | None,
     ) -> None:
         self.plan = plan
         self.shards = shards
         self.spec = spec
         self.precision = precision
+        self.replicate = replicate  # HSDP: the all-reduce over the replicas (its spec)
         self.pending: dict[str, Pending] = {}
         self.started: set[str] = set()  # the units whose gather this call started (eagerly)
         self.order: list[str] = []  # the units as they ran (the backward pass runs them back)
@@ -348,6 +398,10 @@ class _Session:
             self.pending[unit] = Pending(self._spec(names), wire)
             self.started.add(unit)
 
+    def _gathered(self, source: Pending | Spec, names: Sequence[str]) -> list[torch.Tensor]:
+        shards = [self.shards[n] for n in names]
+        return _gather(source, shards, self.precision, self.replicate)
+
     def gather(self, unit: str) -> dict[str, torch.Tensor]:
         """``unit``'s full parameters, differentiable; the next unit's gather started."""
         names = self._names(unit)
@@ -355,7 +409,7 @@ class _Session:
             return {}
         self.kept = None  # a unit after the last one: the last is not the backward's first
         self.start(unit)
-        full = _gather(self.pending.pop(unit), [self.shards[n] for n in names], self.precision)
+        full = self._gathered(self.pending.pop(unit), names)
         self._track(unit, full)
         following = self._following(unit)
         if following is not None:
@@ -422,13 +476,17 @@ class _Session:
                 self.done = True
                 if self.kept is not None and self.kept[0] not in self.tokened:
                     self.kept = None  # no saved tensor of it: the backward never gathers it
+            # the call's last collective, after its forward: a rank whose forward raised after
+            # its last gather announces it here, so that every rank raises in this call
+            plain(closing, [zero])
         except BaseException as err:  # a failure here: every rank raises, in this call
             if not isinstance(err, ProtocolError):
                 self._announce(err, closing, zero)
+            if self.replicate is not None:  # and the replicas, whatever it was
+                failed(replaced(self.replicate, paths=("<closing>",)), [zero], err)
             raise
-        # the call's last collective, after its forward: a rank whose forward raised after its
-        # last gather announces it here, so that every rank raises in this call
-        plain(closing, [zero])
+        if self.replicate is not None:
+            plain(replaced(self.replicate, paths=("<closing>",)), [zero])
         return out, State(state.params, new.buffers)
 
     def _announce(self, error: BaseException, closing: Spec, zero: torch.Tensor) -> None:
@@ -445,8 +503,7 @@ class _Session:
         names = tuple(n for n in self.plan.outside if self.shards.get(n) is not None)
         if not names:
             return iter(())
-        shards = [self.shards[n] for n in names]
-        return zip(names, _gather(self._spec(names), shards, self.precision))
+        return zip(names, self._gathered(self._spec(names), names))
 
     def around(self, where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
         """Wrap each unit's copy: its parameters bound for its forward only."""
@@ -501,7 +558,7 @@ class _Session:
             shards = [self.shards[n] for n in names]
             pending = self.pending.pop(unit, None)
             if torch.is_grad_enabled():  # a graph to keep (create_graph, a recomputation)
-                full = _gather(pending or self._spec(names), shards, self.precision)
+                full = self._gathered(pending or self._spec(names), names)
             else:
                 wire = _on_wire(self.precision, shards)
                 full = (pending or Pending(self._spec(names), wire)).finish()
@@ -523,6 +580,7 @@ class _Session:
     def all_at_once(
         self, module: nn.Module, state: State, args: Any, kwargs: Any
     ) -> tuple[Any, State]:
+        _eager_only(self.replicate)
         values = dict(self.gather_outside())
         for unit in self.plan.names:
             names = self._names(unit)
