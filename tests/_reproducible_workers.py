@@ -199,13 +199,22 @@ def odd_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return s + (p["c"] * x).cos().mean() + (p["d"].sum() * x.double()).exp().mean().float()
 
 
-def odd_grads(rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+def odd_grads(rank: int = 0, world: int = 1, group: Any = None) -> dict[str, torch.Tensor]:
     params, x = odd_tree()
     rows = x.shape[0] // world
-    step = fr.distributed.grad_and_value(odd_loss, grain=2)
+    step = fr.distributed.grad_and_value(odd_loss, grain=2, group=group)
     return step(params, x[rank * rows : (rank + 1) * rows])[0]  # type: ignore[no-any-return]
 
 
 @scenario
 def odd_sizes(rank: int) -> dict[str, torch.Tensor]:
     return odd_grads(rank, dist.get_world_size())
+
+
+@scenario
+def subgroup(rank: int) -> dict[str, torch.Tensor] | None:
+    """Ranks 3 and 1 of 4, a group of two in that order: partners found by group rank."""
+    pair = dist.new_group([3, 1])  # collective: every rank makes it
+    if rank not in (1, 3):
+        return None
+    return odd_grads(dist.get_rank(pair), 2, group=pair)

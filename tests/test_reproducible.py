@@ -46,7 +46,7 @@ def jobs() -> dict[int, dict[str, list[Any]]]:
     names = [f"train_{m}" for m in rw.MODES]
     return {
         world: rw.spawn(
-            [*names, "sent", "odd_sizes", *(["refusals"] if world == 4 else [])],
+            [*names, "sent", "odd_sizes", *(["refusals", "subgroup"] if world == 4 else [])],
             world=world,
             pg_timeout=30.0,
             deadline=120.0,
@@ -95,13 +95,17 @@ def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
-def test_buffers_that_halve_unevenly_and_two_dtypes(jobs, one_thread):
+def test_uneven_halves_two_dtypes_and_a_group_of_two(jobs, one_thread):
     # a 0-dim leaf, float32 and float64 buffers of 9 and 5 elements: halves of 4 and 5, 2 and 3
     expected = rw.odd_grads()
     for world in WORLDS:
         for rank, got in enumerate(w.ok(jobs[world], "odd_sizes")):
             assert all(torch.equal(got[k], expected[k]) for k in expected), (world, rank)
             assert all(got[k].dtype == expected[k].dtype for k in expected)
+    in_pair = w.ok(jobs[4], "subgroup")
+    assert in_pair[0] is None and in_pair[2] is None
+    for got in (in_pair[1], in_pair[3]):  # group= of ranks 3 and 1: the same bits again
+        assert all(torch.equal(got[k], expected[k]) for k in expected)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")

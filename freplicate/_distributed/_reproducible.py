@@ -42,7 +42,7 @@ import torch.distributed as dist
 from .._checks import check_int
 from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
-from ._group import collective
+from ._group import collective, comm_device
 
 __all__ = ["Grains", "grain_seed", "refuse", "tree_sum"]
 
@@ -341,7 +341,7 @@ def _agree(
 ) -> None:
     """Every rank learns whether another failed or differs, before any gradient moves."""
     words = [rank + 1 if error is not None else 0, m, -m, n, -n, sums, -sums]
-    info = torch.tensor(words, dtype=torch.int64)
+    info = torch.tensor(words, dtype=torch.int64, device=comm_device(group))
     with collective(caller):
         dist.all_reduce(info, op=dist.ReduceOp.MAX, group=group)
     failed, m_hi, m_lo, n_hi, n_lo, s_hi, s_lo = (int(v) for v in info)
