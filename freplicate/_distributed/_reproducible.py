@@ -26,7 +26,8 @@ same global batch and grain. Anything else is refused (``ValueError``):
 world size that is not a power of two has no fixed partners.
 
 Each rank sends ``2 * n * (W - 1) / W`` elements of an ``n``-element
-gradient per dtype (halving then doubling), a ring all-reduce's count.
+gradient per dtype (halving then doubling; a few elements more or less
+where a segment halves unevenly), a ring all-reduce's count.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
 from ._group import collective, comm_device
 
-__all__ = ["Grains", "grain_seed", "refuse", "tree_sum"]
+__all__ = ["Grains", "exchange", "grain_seed", "halving_doubling", "refuse", "tree_sum"]
 
 _MASK = (1 << 64) - 1
 
