@@ -20,7 +20,7 @@ import pytest
 import torch
 from _property_ddp import WORLD, on_rank
 from _property_support import examples
-from _property_zero3 import check_apply_sharded
+from _property_zero3 import check_apply_sharded, check_mixed_precision
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -62,3 +62,26 @@ def test_apply_sharded_is_the_oracle(
     units = data.draw(units_of(module), label="units")
     payload = {"module": module, "inputs": per_rank, "units": units, "op": op}
     ranks.run(on_rank, check_apply_sharded, payload)
+
+
+POLICIES = st.sampled_from(
+    [("bfloat16", None), ("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float64", None)]
+)
+
+
+@examples(0.2)
+@given(modules(frozen=None), st.sampled_from(["mean", "sum"]), POLICIES, st.data())
+def test_mixed_precision_is_its_definition(
+    ranks: RankPool,
+    pair: tuple[nn.Module, Any],
+    op: str,
+    policy: tuple[str, str | None],
+    data: st.DataObject,
+):
+    """``mp_policy=`` (FSDP2's ``MixedPrecisionPolicy``) on drawn modules and units: the casts
+    where FSDP2 makes them, the gradient reduced in ``reduce_dtype``, bit for bit."""
+    module, inputs = pair
+    per_rank = [data.draw(inputs, label=f"inputs of rank {r}") for r in range(WORLD)]
+    units = data.draw(units_of(module), label="units")
+    payload = {"module": module, "inputs": per_rank, "units": units, "op": op, "policy": policy}
+    ranks.run(on_rank, check_mixed_precision, payload)

@@ -171,7 +171,7 @@ def apply_sharded(
     if world <= 1:
         dtype = None if precision is None else precision.param
         params = {n: cast(t, dtype) for n, t in state.params.items()}
-        out, new = _apply.apply(module, State(params, state.buffers), *args, **kwargs)
+        out, new = _bound(module, State(params, state.buffers), args, kwargs, plan, precision)
         return cast_output(precision, out), State(state.params, new.buffers)
     _apply.check_bindable(_CALLER, state)
     rank = dist.get_rank(group)
@@ -510,7 +510,10 @@ class _Session:
         at = {name: k for k, name in enumerate(where)}
         for unit in self.plan.names:
             k = at.get(_apply._name(unit))
-            if k is None or not self._names(unit):
+            if k is None:
+                continue
+            if not self._names(unit):  # its parameters gathered for the call (tied, shared)
+                _cast_inputs_of(copies[k], self.precision)
                 continue
             mine = set(self._names(unit))
             places = [
@@ -587,7 +590,8 @@ class _Session:
             if names:
                 shards = _ruled(self.precision, [self.shards[n] for n in names])
                 values.update(zip(names, apply(self._spec(names), shards)))
-        out, new = _apply.apply(module, State(values, state.buffers), *args, **kwargs)
+        bound = State(values, state.buffers)
+        out, new = _bound(module, bound, args, kwargs, self.plan, self.precision)
         return out, State(state.params, new.buffers)
 
 
@@ -621,6 +625,48 @@ def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> N
             for m, key, stand_in in saved:
                 m._parameters[key] = stand_in
             session.release(unit)
+
+    copy.__dict__["forward"] = run
+
+
+def _bound(
+    module: nn.Module,
+    state: State,
+    args: Any,
+    kwargs: Any,
+    plan: Units,
+    precision: Precision | None,
+) -> tuple[Any, State]:
+    """``fr.apply`` of a state bound whole (one process; compiled or transformed: every unit
+    gathered up front), each unit's inputs cast as ``fully_shard(unit)`` casts them. Compiled,
+    ``functional_call`` binds, which wraps no unit: the call's inputs alone are cast there."""
+    if is_compiling() or not _casts_inputs(precision):
+        return _apply.apply(module, state, *args, **kwargs)
+
+    def cast_units(where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
+        at = {name: k for k, name in enumerate(where)}
+        for unit in plan.names:
+            k = at.get(_apply._name(unit))
+            if k is not None:
+                _cast_inputs_of(copies[k], precision)
+
+    return _apply.bound_call(module, state, args, kwargs, around=cast_units)
+
+
+def _casts_inputs(precision: Precision | None) -> bool:
+    return precision is not None and precision.inputs and precision.param is not None
+
+
+def _cast_inputs_of(copy: nn.Module, precision: Precision | None) -> None:
+    """``copy.forward`` with its inputs cast as ``fully_shard(unit)`` casts them (a unit that
+    gathers nothing of its own: its parameters are the call's)."""
+    if not _casts_inputs(precision):
+        return
+    forward = copy.forward
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        args, kwargs = cast_inputs(precision, args, kwargs)
+        return forward(*args, **kwargs)
 
     copy.__dict__["forward"] = run
 
