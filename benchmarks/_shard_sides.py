@@ -57,6 +57,12 @@ ZERO3_CLEARED = "fr ZeRO-3 + torch.optim, pools cleared"
 BF16 = ", bf16"
 FSDP2_BF16 = FSDP2 + BF16
 ZERO3_BF16 = ZERO3_TORCH + BF16
+# the units apply_sharded takes by default (``units=None``: on the Llama the embedding, each
+# decoder layer, the final norm and the head, each a unit), FSDP2's fully_shard on the same
+# modules and the root; the other sides' units are the model's ``units`` (the layers alone)
+DEFAULT_UNITS = ", fr's default units"
+FSDP2_UNITS = FSDP2 + DEFAULT_UNITS
+ZERO3_UNITS = ZERO3_TORCH + DEFAULT_UNITS
 COMPILED = " compiled"
 SIDES = (
     DDP_ADAMW,
@@ -67,6 +73,8 @@ SIDES = (
     ZERO3_CLEARED,
     FSDP2_BF16,
     ZERO3_BF16,
+    FSDP2_UNITS,
+    ZERO3_UNITS,
     *(z + COMPILED for z in ZERO.values()),
 )
 # hybrid sharding (HSDP, issue 30) on 4 ranks: a 2 x 2 DeviceMesh ("replicate", "shard"),
@@ -78,7 +86,7 @@ HSDP_SIDES = (DDP_ADAMW, FSDP2_HSDP, ZERO3_HSDP)
 HSDP_WORLD, HSDP_SHAPE = 4, (2, 2)
 # the side each one is held to after 3 steps (``agree``): DDP + AdamW's, but bf16 compute's and
 # the mesh's ZeRO-3, held to FSDP2 with the same policy or mesh (bit for bit, docs/sharding.md)
-REFERENCE = {ZERO3_BF16: FSDP2_BF16, ZERO3_HSDP: FSDP2_HSDP}
+REFERENCE = {ZERO3_BF16: FSDP2_BF16, ZERO3_HSDP: FSDP2_HSDP, ZERO3_UNITS: FSDP2_UNITS}
 #: a Hugging Face ``LlamaForCausalLM`` from a config, random weights (``build``: 24M parameters)
 LLAMA = "llama"
 LLAMA_CONFIG: dict[str, Any] = {
@@ -111,12 +119,13 @@ def missing(name: str) -> str | None:
 
 def make(name: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor, **kw: Any) -> Any:
     """Side ``name`` on ``model`` (left as it is: each side trains its own copy)."""
-    bf16, mesh = name.endswith(BF16), name.endswith(MESH)
-    base = name.removesuffix(BF16).removesuffix(MESH)
+    bf16, mesh, default = name.endswith(BF16), name.endswith(MESH), name.endswith(DEFAULT_UNITS)
+    base = name.removesuffix(BF16).removesuffix(MESH).removesuffix(DEFAULT_UNITS)
     if base in STATEFUL:
-        return Stateful(model, x, y, STATEFUL[base], bf16=bf16, mesh=mesh)
+        return Stateful(model, x, y, STATEFUL[base], bf16=bf16, mesh=mesh, default=default)
     if base in (ZERO3_TORCH, ZERO3_CLEARED):
-        return Zero3Torch(model, x, y, cleared=base == ZERO3_CLEARED, bf16=bf16, mesh=mesh)
+        cleared = base == ZERO3_CLEARED
+        return Zero3Torch(model, x, y, cleared=cleared, bf16=bf16, mesh=mesh, default=default)
     stage = next(s for s, z in ZERO.items() if name.startswith(z))
     return Functional(model, x, y, stage, compiled=name.endswith(COMPILED), **kw)
 
@@ -174,9 +183,17 @@ def unit_names(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_children() if next(m.parameters(), None) is not None]
 
 
-def units(model: nn.Module) -> list[nn.Module]:
-    """The modules ``unit_names`` names."""
-    return [model.get_submodule(n) for n in unit_names(model)]
+def default_unit_names(model: nn.Module) -> list[str]:
+    """The units ``apply_sharded`` takes for ``units=None`` (freplicate's own planning)."""
+    from freplicate._distributed._units import unit_names as planned
+
+    return list(planned(model, None, "bench_shard", run=False))
+
+
+def units(model: nn.Module, default: bool = False) -> list[nn.Module]:
+    """The modules ``unit_names`` names (``default``: ``default_unit_names``)."""
+    names = default_unit_names(model) if default else unit_names(model)
+    return [model.get_submodule(n) for n in names]
 
 
 # --- the stateful sides -------------------------------------------------------------------
@@ -198,6 +215,7 @@ class Stateful:
         kind: str,
         bf16: bool = False,
         mesh: bool = False,
+        default: bool = False,
     ) -> None:
         own = copy.deepcopy(model)
         options: dict[str, Any] = {"lr": LR, "betas": BETAS, "eps": EPS, "weight_decay": WD}
@@ -209,7 +227,7 @@ class Stateful:
             # on the CPU over gloo: a 1-D mesh of device type "cpu" over the default group
             on = hsdp_mesh() if mesh else init_device_mesh("cpu", (dist.get_world_size(),))
             policy = mp_policy() if bf16 else MixedPrecisionPolicy()
-            for unit in units(own):
+            for unit in units(own, default):
                 fully_shard(unit, mesh=on, mp_policy=policy)
             fully_shard(own, mesh=on, mp_policy=policy)
             run: nn.Module = own
@@ -461,7 +479,8 @@ class Zero3Torch:
     buffers ``fr.distributed`` pools for the next step (a measurement of what they hold, not a
     recipe: the next step plans its calls again). ``bf16``: ``apply_sharded(...,
     mp_policy=mp_policy())``, the loss of the bf16 logits in float32 (FSDP2's with the same
-    policy). ``mesh``: hybrid sharding, ``group=hsdp_mesh()`` (the shards the mesh's rows)."""
+    policy). ``mesh``: hybrid sharding, ``group=hsdp_mesh()`` (the shards the mesh's rows).
+    ``default``: ``units=None``, apply_sharded's own units, instead of the model's ``units``."""
 
     def __init__(
         self,
@@ -471,6 +490,7 @@ class Zero3Torch:
         cleared: bool = False,
         bf16: bool = False,
         mesh: bool = False,
+        default: bool = False,
     ) -> None:
         s = fr.state(model)
         self.cleared = cleared
@@ -486,7 +506,7 @@ class Zero3Torch:
             self.shards.values(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD
         )
         names, module = unit_names(model), self.module
-        options: dict[str, Any] = {"units": names}
+        options: dict[str, Any] = {"units": None if default else names}
         if group is not None:
             options["group"] = group
         if bf16:

@@ -63,9 +63,11 @@ from ._shard_sides import (
     COMPILED,
     DDP_ADAMW,
     DDP_ZERO,
+    DEFAULT_UNITS,
     FSDP2,
     FSDP2_BF16,
     FSDP2_HSDP,
+    FSDP2_UNITS,
     HSDP_SIDES,
     HSDP_WORLD,
     LLAMA,
@@ -77,6 +79,7 @@ from ._shard_sides import (
     ZERO3_CLEARED,
     ZERO3_HSDP,
     ZERO3_TORCH,
+    ZERO3_UNITS,
     MiB,
 )
 from .bench_distributed import _rounds
@@ -108,24 +111,34 @@ PAIRS: tuple[tuple[str, str, float | None], ...] = (
     (ZERO3_BF16, FSDP2_BF16, None),
     (ZERO3_BF16, ZERO3_TORCH, None),
     (FSDP2_BF16, FSDP2, None),
+    (ZERO3_UNITS, FSDP2_UNITS, 1.00),
+    (ZERO3_UNITS, FSDP2, None),
+    (FSDP2_UNITS, FSDP2, None),
     (ZERO3_HSDP, FSDP2_HSDP, None),
     (ZERO3_HSDP, DDP_ADAMW, None),
     (FSDP2_HSDP, DDP_ADAMW, None),
 )
 # the models a pair's speed target holds on (issue 24's ZeRO-3 / FSDP2 also on the Llama, item 5
 # of issue 30); the others' on SPEED_MODEL alone
-HELD_ON = {(ZERO[3], FSDP2): (SPEED_MODEL, LLAMA), (ZERO3_TORCH, FSDP2): (SPEED_MODEL, LLAMA)}
+HELD_ON = {
+    (ZERO[3], FSDP2): (SPEED_MODEL, LLAMA),
+    (ZERO3_TORCH, FSDP2): (SPEED_MODEL, LLAMA),
+    (ZERO3_UNITS, FSDP2_UNITS): (SPEED_MODEL, LLAMA),
+}
 # the Llama's sides (no compiled one: Inductor's compile of a 24M-parameter Llama takes minutes);
 # speed: the ZeRO-3 ones and their FSDP2 twins
 LLAMA_MEMORY = (
-    DDP_ADAMW, FSDP2, ZERO[1], ZERO[2], ZERO[3], ZERO3_TORCH, ZERO3_CLEARED, FSDP2_BF16, ZERO3_BF16
+    DDP_ADAMW, FSDP2, ZERO[1], ZERO[2], ZERO[3], ZERO3_TORCH, ZERO3_CLEARED, FSDP2_BF16, ZERO3_BF16,
+    FSDP2_UNITS, ZERO3_UNITS,
 )  # fmt: skip
-LLAMA_SPEED = (DDP_ADAMW, FSDP2, ZERO[3], ZERO3_TORCH, FSDP2_BF16, ZERO3_BF16)
+LLAMA_SPEED = (
+    DDP_ADAMW, FSDP2, ZERO[3], ZERO3_TORCH, FSDP2_BF16, ZERO3_BF16, FSDP2_UNITS, ZERO3_UNITS
+)  # fmt: skip
 HSDP_MODEL = LLAMA
 # The memory targets (issue 24, item 2; issue 30, item 5 on the Llama too): the peak resident
 # set above the rank's start, of DDP + AdamW's; ZeRO-3 also of FSDP2's, and its live heap's peak
 MEMORY_TARGETS = {ZERO[1]: 0.85, ZERO[2]: 0.75, ZERO[3]: 0.60, ZERO3_TORCH: 0.60}
-MEMORY_TARGETS[ZERO3_CLEARED] = MEMORY_TARGETS[ZERO3_TORCH]
+MEMORY_TARGETS[ZERO3_CLEARED] = MEMORY_TARGETS[ZERO3_UNITS] = MEMORY_TARGETS[ZERO3_TORCH]
 MEMORY_FSDP2 = 1.00
 TARGETED = (MEMORY_MODEL, LLAMA)  # the models the memory targets hold on
 # issue 30, item 5: ZeRO-2's gradient rows alone (the storage its gradients view after the
@@ -421,7 +434,7 @@ def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list
     for (model, side), got in memory.items():
         ddp = memory.get((model, DDP_ADAMW))
         # FSDP2 of the same kind: in bf16 beside bf16, on the mesh beside the mesh
-        kind = BF16 if side.endswith(BF16) else MESH if side.endswith(MESH) else ""
+        kind = next((k for k in (BF16, MESH, DEFAULT_UNITS) if side.endswith(k)), "")
         fsdp2 = memory.get((model, FSDP2 + kind))
         states = [r["state"] for r in got["ranks"]]
         ratio = above(got) / above(ddp) if ddp else None
@@ -436,7 +449,7 @@ def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list
         if grads_target is not None and not math.isnan(grads_of_ddp):
             met.append(round(grads_of_ddp, 3) <= grads_target)
         if (
-            side in (ZERO[3], ZERO3_TORCH, ZERO3_CLEARED)
+            side in (ZERO[3], ZERO3_TORCH, ZERO3_CLEARED, ZERO3_UNITS)
             and of_fsdp2 is not None
             and model in TARGETED
         ):
