@@ -142,10 +142,13 @@ class Grains:
     ``t`` sets it to ``t`` (it counts this object's calls, starting at 0).
     """
 
-    def __init__(self, grain: int, seed: int, caller: str) -> None:
+    def __init__(
+        self, grain: int, seed: int, caller: str, *, op: str, argnums: int, has_aux: bool
+    ) -> None:
         self.grain = grain
         self.seed = seed
         self.caller = caller
+        self.op, self.argnums, self.has_aux = op, argnums, has_aux  # the step's, fixed
         self.step = 0
         self.checked = False  # the parameters' checksum goes with the first call only
 
@@ -155,35 +158,15 @@ class Grains:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         *,
-        argnums: int,
-        op: str,
         group: Any,
         world: int,
-        has_aux: bool,
         checksums: Callable[[], list[int]] | None,
     ) -> tuple[Any, Any]:
         """This rank's grains' gradients, summed with every rank's in the fixed tree; its value."""
-        caller = self.caller
-        if is_compiling() or transform_level() is not None or _carries_graph(args, kwargs):
-            raise NotImplementedError(
-                f"{caller}: grain= (reproducible across world sizes) runs eagerly only, on "
-                "arguments without an autograd graph: not under torch.compile, torch.func "
-                "transforms or with inputs that require grad"
-            )
+        caller, op, has_aux = self.caller, self.op, self.has_aux
         world = max(world, 1)
-        if not _power_of_two(world):
-            raise ValueError(
-                f"{caller}: grain= needs a world size that is a power of two (1, 2, 4, 8, ...) "
-                f"for its fixed summation tree, got {world} ranks; run on a power of two of "
-                "ranks, or without grain="
-            )
+        n = self._refuse(args, kwargs, world)
         rank = dist.get_rank(group) if world > 1 else 0
-        if not -len(args) <= argnums < len(args):
-            raise TypeError(
-                f"{caller}: the step needs the differentiated argument args[{argnums}], got "
-                f"{len(args)} positional argument(s)"
-            )
-        n = argnums % len(args)
         step, self.step = self.step, self.step + 1
         error: BaseException | None = None
         summed: list[Any] = []
@@ -216,6 +199,29 @@ class Grains:
         value = loss / m  # this rank's mean of its grains' values, not reduced
         out = optree.tree_unflatten(spec, grads)
         return out, ((value, auxes) if has_aux else value)
+
+    def _refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int) -> int:
+        """What the mode cannot run, raised before anything runs; the differentiated argument's
+        position."""
+        caller, argnums = self.caller, self.argnums
+        if is_compiling() or transform_level() is not None or _carries_graph(args, kwargs):
+            raise NotImplementedError(
+                f"{caller}: grain= (reproducible across world sizes) runs eagerly only, on "
+                "arguments without an autograd graph: not under torch.compile, torch.func "
+                "transforms or with inputs that require grad"
+            )
+        if not _power_of_two(world):
+            raise ValueError(
+                f"{caller}: grain= needs a world size that is a power of two (1, 2, 4, 8, ...) "
+                f"for its fixed summation tree, got {world} ranks; run on a power of two of "
+                "ranks, or without grain="
+            )
+        if not -len(args) <= argnums < len(args):
+            raise TypeError(
+                f"{caller}: the step needs the differentiated argument args[{argnums}], got "
+                f"{len(args)} positional argument(s)"
+            )
+        return argnums % len(args)
 
     def _grains(
         self,

@@ -111,7 +111,7 @@ class Step:
                 _CALLER, grain, seed, shard=shard, weight=weight, mp_policy=mp_policy,
                 compress=compress,
             )  # fmt: skip
-            self.grains = Grains(grain, seed, _CALLER)
+            self.grains = Grains(grain, seed, _CALLER, op=op, argnums=argnums, has_aux=has_aux)
         #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
         self.run = fn if precision is None else around(fn, precision, argnums)
         self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
@@ -125,8 +125,7 @@ class Step:
         if self.grains is not None:
             n = _position(self.argnums, args)
             return self.grains(
-                self.local, args, kwargs, argnums=self.argnums, op=self.op, group=self.group,
-                world=world, has_aux=self.has_aux,
+                self.local, args, kwargs, group=self.group, world=world,
                 checksums=None if n is None else self._checksums(args[n]),
             )  # fmt: skip
         if world <= 1:
