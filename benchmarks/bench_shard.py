@@ -443,19 +443,20 @@ def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list
         heap_of_fsdp2 = live(got) / live(fsdp2) if fsdp2 else None
         grads_of_ddp = grads(got) / grads(ddp) if ddp else math.nan
         grads_target = GRADS_TARGETS.get(side) if model in TARGETED else None
-        met = []
+        met: list[tuple[str, bool]] = []  # each target held here: what it holds, met
         if target is not None and ratio is not None:
-            met.append(round(ratio, 3) <= target)
+            met.append(("RSS of DDP's", round(ratio, 3) <= target))
         if grads_target is not None and not math.isnan(grads_of_ddp):
-            met.append(round(grads_of_ddp, 3) <= grads_target)
+            met.append(("grads", round(grads_of_ddp, 3) <= grads_target))
         if (
             side in (ZERO[3], ZERO3_TORCH, ZERO3_CLEARED, ZERO3_UNITS)
             and of_fsdp2 is not None
             and model in TARGETED
         ):
-            met.append(round(of_fsdp2, 3) <= MEMORY_FSDP2)
+            met.append(("RSS of FSDP2's", round(of_fsdp2, 3) <= MEMORY_FSDP2))
             if heap_of_fsdp2 is not None and not math.isnan(heap_of_fsdp2):
-                met.append(round(heap_of_fsdp2, 3) <= MEMORY_FSDP2)
+                met.append(("heap of FSDP2's", round(heap_of_fsdp2, 3) <= MEMORY_FSDP2))
+        missed = [what for what, ok in met if not ok]
         sampled = "~" if any(r.get("sampled") for r in got["ranks"]) else ""
         body.append(
             [
@@ -474,7 +475,7 @@ def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list
                 "-" if math.isnan(grads(got)) else _mib(grads(got)),
                 "-" if math.isnan(grads_of_ddp) else f"{grads_of_ddp:.3f}",
                 _targets(target, grads_target),
-                "-" if not met else ("met" if all(met) else "missed"),
+                "-" if not met else "missed: " + ", ".join(missed) if missed else "met",
                 f"{trimmed(got) / 1024:.0f}",
                 f"{trimmed(got) / trimmed(ddp):.3f}" if ddp else "-",
             ]
@@ -487,7 +488,8 @@ def _memory_tables(memory: dict[tuple[str, str], Any], notes: list[str]) -> list
         "malloc's bytes in use) above the rank's start, between steps, and its peak in a step "
         "(after every operator; ~: sampled every 0.2 ms, a compiled step); RSS: at the rank's "
         "start (before the model), and the peak resident set (VmHWM) of the 3 steps above it, "
-        "the figure held to the targets (ZeRO-3 also to <= FSDP2's, the heap peak too; of "
+        "the figure held to the targets (ZeRO-3 also to <= FSDP2's, the heap peak too: status "
+        "names the targets missed; of "
         "FSDP2's: FSDP2 of the same kind, bf16 or on the mesh); grads: the storage the "
         "gradients view after a step's backward (ZeRO-2's held to <= 0.55 of DDP's); after "
         "malloc_trim: the same 3 steps again once malloc gave back its free memory (a compiled "
