@@ -1,39 +1,63 @@
-"""ZeRO on 2 gloo ranks: freplicate's ZeRO-1/2/3 beside DDP, ZeroRedundancyOptimizer and FSDP2.
+"""ZeRO on gloo ranks: freplicate's ZeRO-1/2/3 beside DDP, ZeroRedundancyOptimizer and FSDP2.
 
 Run ``.venv/bin/python -m benchmarks.bench_shard`` (or ``python -m freplicate
 bench shard``; ``--quick`` for a smoke run; ``--no-compile`` without the
 compiled sides, whose Inductor compile takes a minute or more per model;
-``--part speed memory collectives`` for some of the three parts; ``--sides``
-for some sides; ``--in-place`` to have freplicate's sides update their shards
-and AdamW moments in place, as ``torch.optim.AdamW`` does, instead of
-docs/sharding.md's out-of-place update). The sides
-(``_shard_sides``; AdamW, lr 1e-3, weight decay 1e-2, ``F.cross_entropy``):
-DDP + ``torch.optim.AdamW``, DDP + ``ZeroRedundancyOptimizer(AdamW)``, FSDP2
-(``fully_shard`` on each unit and on the root, a ``DeviceMesh`` on ``"cpu"``
-over gloo) + AdamW, and freplicate's ZeRO-1, ZeRO-2 and ZeRO-3
-(``fr.distributed.apply_sharded``: skipped, with a note, while it does not
-exist), eager and compiled. Before any figure, every side trains 3 steps from
-the same init and must reach DDP + AdamW's parameters (within 1% of their
-largest update: Inductor's AdamW rounds differently); one that does not, or
-that fails, is left out with a note.
+``--part speed memory collectives counts hsdp`` for some of the parts;
+``--models``, ``--memory-models``, ``--hsdp-models`` for the models of each
+(``llama`` among them); ``--sides`` for some sides; ``--in-place`` to have
+freplicate's functional sides update their shards and AdamW moments in place,
+as ``torch.optim.AdamW`` does, instead of docs/sharding.md's out-of-place
+update). The sides (``_shard_sides``; AdamW, lr 1e-3, weight decay 1e-2,
+``F.cross_entropy``): DDP + ``torch.optim.AdamW``, DDP +
+``ZeroRedundancyOptimizer(AdamW)``, FSDP2 (``fully_shard`` on each unit and
+on the root, a ``DeviceMesh`` on ``"cpu"`` over gloo) + AdamW, freplicate's
+ZeRO-1, ZeRO-2 and ZeRO-3 (``fr.distributed.apply_sharded``) as functions of
+trees, eager and compiled, and docs/sharding.md's ZeRO-3 loop
+(``torch.optim.AdamW`` on the shards, ``loss.backward()``; also with
+``fr.clear_caches()`` after each step, and on ``apply_sharded``'s default
+units beside FSDP2 on the same modules). Mixed precision: that loop with
+``mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)``
+beside FSDP2 with the same policy on each unit and the root. The models: the
+benchmark MLPs and ``llama`` (a Hugging Face ``LlamaForCausalLM`` from a
+config, 24M parameters, random weights, each decoder layer a unit; no
+compiled side on it). Before any figure, every side trains 3 steps from the
+same init and must reach DDP + AdamW's parameters (within 1% of their
+largest update: Inductor's AdamW rounds differently), or its FSDP2 twin's
+(``_shard_sides.REFERENCE``: bf16, the mesh, the default units; bit for bit
+in practice); one that does not, or that fails, is left out with a note.
 
-**Speed** (mid_mlp): two ranks on 127.0.0.1, one thread each, rank r pinned to
-core r; every round runs every side a few steps, the sides in balanced orders
-(the same on both ranks), a step's time the slowest rank's, a side's time in a
-round its median step, the figure the median over rounds of the per-round ratio.
+**Speed** (mid_mlp and the Llama): two ranks on 127.0.0.1, one thread each,
+rank r pinned to core r; every round runs every side a few steps, the sides
+in balanced orders (the same on both ranks), a step's time the slowest
+rank's, a side's time in a round its median step, the figure the median over
+rounds of the per-round ratio.
 
-**Memory** (deep_mlp: 8 units, 72 MiB of parameters): each side alone in a fresh
-pair of ranks; after 3 warm-up steps, the peak resident set (``VmHWM``, reset
-through ``/proc/self/clear_refs``) over 3 steps, above the rank's resident set
-at its start (before the model is built), the larger rank's; beside it the
-optimizer state's bytes on each rank, the live heap's peak (glibc's
-``mallinfo2``), and the same 3 steps' peak once ``malloc_trim`` gave back the
-free memory malloc keeps (glibc keeps freed blocks below its mmap threshold,
-which rises to 32 MiB: the resident set of a step that allocates and frees
-large buffers is its live peak plus what malloc kept). Then, for each eager
-side, where that memory is: the live heap after every operator of a step and,
-at each boundary of the step and at each phase's peak, every tensor by role
+**Counts** (with the speed part, in its ranks, after the timings): the
+collectives a warm step launches from Python on rank 0, by kind, and their
+elements (``count_distributed``'s counting); DDP's, in its C++ reducer, are
+not seen.
+
+**Memory** (deep_mlp: 8 units, 72 MiB of parameters; and the Llama): each side
+alone in a fresh pair of ranks; after 3 warm-up steps, the peak resident set
+(``VmHWM``, reset through ``/proc/self/clear_refs``) over 3 steps, above the
+rank's resident set at its start (before the model is built), the larger
+rank's; beside it the optimizer state's bytes on each rank, the live heap's
+peak (glibc's ``mallinfo2``), the storage the gradients view after a step's
+backward, and the same 3 steps' peak once ``malloc_trim`` gave back the free
+memory malloc keeps (glibc keeps freed blocks below its mmap threshold, which
+rises to 32 MiB: the resident set of a step that allocates and frees large
+buffers is its live peak plus what malloc kept). Then, for each eager side,
+where that memory is: the live heap after every operator of a step and, at
+each boundary of the step and at each phase's peak, every tensor by role
 (``_shard_sides.Census``).
+
+**Hybrid sharding** (``hsdp``, on the Llama): the speed, counts and memory
+parts asked for, on 4 gloo ranks (``_ranks.on_ranks``; 2 a core on 2 cores)
+as a 2 x 2 ``init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate",
+"shard"))``: ``apply_sharded(group=mesh)`` in the ZeRO-3 loop beside
+``fully_shard(mesh=mesh)`` on each unit and the root, and DDP + AdamW on the
+4 ranks.
 
 **Collectives**: gloo's ``all_reduce``, ``reduce_scatter_tensor`` and
 ``all_gather_into_tensor`` from 4 KiB to 64 MiB, beside the all-reduce
