@@ -109,3 +109,45 @@ def test_one_process_casts_as_well() -> None:
     for n, g in grads.items():
         assert g.dtype == torch.float32
         assert torch.equal(g, want[0][n].float())
+
+
+class _Scaled(torch.nn.Module):
+    """A block that mixes a float32 buffer into its output: the next unit's input is float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.register_buffer("scale", torch.rand(3) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x)) * self.scale
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_units_input_is_cast_compiled_as_eagerly(backend: str) -> None:
+    """Each unit's input cast to param_dtype under torch.compile as eagerly (where it arrives in
+    float32, after a buffer), the same bits; the module left as it was."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import freplicate as fr
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Scaled(), _Scaled(), torch.nn.Linear(3, 2))
+    state = fr.state(model)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    x = torch.randn(4, 3)
+
+    def loss_fn(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(model, fr.State(p, state.buffers), x, mp_policy=mp)
+        return out.float().sum()
+
+    params = {k: v.detach().clone().requires_grad_() for k, v in state.params.items()}
+    eager = loss_fn(params)
+    eager.backward()
+    twin = {k: v.detach().clone().requires_grad_() for k, v in state.params.items()}
+    compiled = torch.compile(loss_fn, backend=backend, fullgraph=True)(twin)
+    compiled.backward()
+    assert torch.equal(eager, compiled)
+    for k in params:
+        assert torch.equal(params[k].grad, twin[k].grad), k
+    assert all("forward" not in m.__dict__ for m in model.modules())

@@ -638,10 +638,25 @@ def _bound(
     precision: Precision | None,
 ) -> tuple[Any, State]:
     """``fr.apply`` of a state bound whole (one process; compiled or transformed: every unit
-    gathered up front), each unit's inputs cast as ``fully_shard(unit)`` casts them. Compiled,
-    ``functional_call`` binds, which wraps no unit: the call's inputs alone are cast there."""
-    if is_compiling() or not _casts_inputs(precision):
+    gathered up front), each unit's inputs cast as ``fully_shard(unit)`` casts them: eagerly
+    on the call's copies; compiled, where ``functional_call`` binds ``module`` itself, on the
+    units' modules for the trace (their ``forward`` restored after it, as ``functional_call``
+    restores the tensors it swaps)."""
+    if not _casts_inputs(precision):
         return _apply.apply(module, state, *args, **kwargs)
+    if is_compiling():
+        held = {id(m): m for m in (module.get_submodule(u) for u in plan.names)}.values()
+        saved = [(m, m.__dict__.get("forward")) for m in held]
+        try:
+            for m in held:
+                _cast_inputs_of(m, precision)
+            return _apply.apply(module, state, *args, **kwargs)
+        finally:
+            for m, forward in saved:
+                if forward is None:
+                    del m.__dict__["forward"]
+                else:
+                    m.__dict__["forward"] = forward
 
     def cast_units(where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
         at = {name: k for k, name in enumerate(where)}

@@ -29,6 +29,7 @@ from torch import nn
 
 from .. import _apply
 from .._caches import register
+from .._torch import is_compiling
 from .._tree import describe
 from ._wire import order_of
 
@@ -65,6 +66,8 @@ def units_of(module: nn.Module, units: Sequence[str] | None, caller: str = _CALL
         TypeError: ``units`` is not a list of names.
         ValueError: a name is not a submodule's.
     """
+    if is_compiling():  # planned afresh once per trace: a guard on the cache's weak keys would
+        return _cut(module, unit_names(module, units, caller))  # fail once a key dies (gc)
     key = None if units is None else tuple(units)
     cached = _UNITS.setdefault(module, {})
     found = cached.get(key)
