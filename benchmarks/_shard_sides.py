@@ -673,8 +673,8 @@ def _storages(tensors: Iterable[Any]) -> dict[int, int]:
 
 
 def pools() -> dict[int, tuple[str, int]]:
-    """freplicate's pooled communication buffers: data_ptr -> (``kind send|recv|res``, or
-    ``shared send``: ZeRO-3's unit gathers', bytes)."""
+    """freplicate's pooled communication buffers: data_ptr -> (``kind send|recv|res``, bytes);
+    ZeRO-3's units pool none (their buffers are fresh each call)."""
     out: dict[int, tuple[str, int]] = {}
     try:
         from freplicate._distributed import _plans
@@ -691,18 +691,6 @@ def pools() -> dict[int, tuple[str, int]]:
                     got = _storage(entry[0])
                     if got is not None:
                         out[got[0]] = (f"{kind} {which}", got[1])
-    # the send buffers ZeRO-3's unit gathers share across layouts of one size (_transport's)
-    try:
-        from freplicate._distributed import _transport
-
-        shared = list(_transport._SHARED.values())
-    except (ImportError, AttributeError):
-        shared = []
-    for pool in shared:
-        for entry in getattr(pool, "entries", None) or []:
-            got = _storage(entry[0])
-            if got is not None:
-                out.setdefault(got[0], ("shared send", got[1]))
     return out
 
 
