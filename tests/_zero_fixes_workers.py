@@ -9,14 +9,15 @@ and FSDP2 (``fully_shard`` on a 1-D CPU ``DeviceMesh``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _dist_workers import _kind, _main, scenario, snapshot, spawn, unchanged
+from _dist_workers import _main, scenario, snapshot, spawn, unchanged
+from _zero3_workers import outcome
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -30,14 +31,6 @@ def main(*args: Any) -> None:
 
 def run(names: list[str], *, world: int = 2, **kwargs: Any) -> dict[str, list[Any]]:
     return spawn(names, target=main, world=world, **kwargs)
-
-
-def outcome(f: Callable[[], Any]) -> tuple[Any, ...]:
-    """``("ok", result)`` or ``("raised", builtin type name, message)``."""
-    try:
-        return ("ok", f())
-    except Exception as err:
-        return ("raised", _kind(err), str(err))
 
 
 # --- the model ------------------------------------------------------------------------------

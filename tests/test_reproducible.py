@@ -279,3 +279,19 @@ def test_gradients_that_autograd_shares_or_expands_are_only_read():
     grads, _ = step(p, torch.arange(8.0))
     assert torch.equal(grads["a"], torch.full((3,), 8.0)) and torch.equal(grads["b"], grads["a"])
     assert torch.equal(grads["c"], torch.tensor(28.0))
+
+
+def test_a_channels_last_gradient_stays_channels_last():
+    # the summed gradients come back in their leaves' memory order, as fr.grad_and_value's
+    torch.manual_seed(0)
+    w = {"w": torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last), "b": torch.zeros(4)}
+    x = torch.randn(4, 3, 5, 5).to(memory_format=torch.channels_last)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, p["w"], p["b"]).square().mean()
+
+    grads, _ = fr.distributed.grad_and_value(loss_fn, grain=2)(w, x)
+    plain, _ = fr.grad_and_value(loss_fn)(w, x)
+    assert plain["w"].is_contiguous(memory_format=torch.channels_last)
+    assert grads["w"].stride() == plain["w"].stride()
+    torch.testing.assert_close(grads["w"], plain["w"])

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
+from .._pack import device_dtype, group_by, layout_of, pack, unpack
 from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
 from ._group import collective, comm_device
@@ -376,23 +377,24 @@ def _agree(
 def _reduced(
     leaves: list[Any], rank: int, world: int, group: Any, total: int, op: str, caller: str
 ) -> list[Any]:
-    """The leaves summed over the ranks (one flat buffer per dtype and device), then the mean."""
+    """The leaves summed over the ranks (one flat buffer per dtype and device, ``_pack``'s:
+    each leaf in its memory order, channels_last kept; unpadded, so that the bytes sent are a
+    ring all-reduce's), then the mean. The buffer is a copy: a leaf may be autograd's own."""
     out = list(leaves)
-    kinds: dict[tuple[torch.dtype, torch.device], list[int]] = {}
-    for k, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor):
-            kinds.setdefault((t.dtype, t.device), []).append(k)
-    for ks in kinds.values():
-        flat = torch.cat([leaves[k].reshape(-1) for k in ks])
+    tensors = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    for members in group_by(tensors, lambda k: device_dtype(leaves[k])).values():
+        ks = [tensors[i] for i in members]
+        ts = [leaves[k] for k in ks]
+        layout = layout_of(ts)._replace(pads=(0,) * len(ts))
+        flat = pack(ts, layout)
+        if len(ts) == 1:
+            flat = flat.clone()  # pack gives one tensor's own storage as its buffer
         if world > 1:
             halving_doubling(flat, rank, world, group, caller)
         if op == "mean" and (flat.is_floating_point() or flat.is_complex()):
             flat.div_(total)
-        at = 0
-        for k in ks:
-            t = leaves[k]
-            out[k] = flat[at : at + t.numel()].view(t.shape)
-            at += t.numel()
+        for k, view in zip(ks, unpack(flat, layout)):
+            out[k] = view
     return out
 
 
