@@ -112,7 +112,8 @@ class Plan:
         for j, k in enumerate(layout.arrival):
             inverse[k] = j
         self.reorder = picker(inverse)  # results in arrival order -> tensor order
-        self.pools = [Pools(b, layout.kind, kept=pooled) for b in layout.buckets] if eager else []
+        kept = pooled and layout.kind.kept
+        self.pools = [Pools(b, layout.kind, kept=kept) for b in layout.buckets] if eager else []
         self.lock = threading.RLock() if eager else None
         self.stacks: dict[bool, Any] = {}
         self.never_stack = False  # the layout met a sparse gradient in a stack (``_backward``)

@@ -356,6 +356,9 @@ class Kind:
     divides = True  # a mean multiplies by 1 / W as it packs (an all-gather's op is its transpose's)
     needs_rank = False  # its copy-in or copy-out reads this rank's place
     adds = True  # its result is arithmetic on the ranks' values (not a copy of one rank's)
+    # eagerly, its buffers kept for the layout's next call: an all-reduce's results are the
+    # gradients, and its buffer the one DDP keeps as its bucket; ZeRO's kinds keep none (below)
+    kept = True
 
     def __repr__(self) -> str:
         return self.name
@@ -598,6 +601,12 @@ class _Rowed(Kind):
 
     takes_sparse = False
     needs_rank = True
+    # ZeRO's collectives, where memory is the point: a pooled all-gather keeps a whole spare
+    # copy of the parameters idle (the caller still holds the last step's while the next is
+    # gathered), a reduce-scatter a full-size send buffer for a gradient it gives out a
+    # W-th of; fresh buffers, let go with the call or its results (the Llama's ZeRO-1/2 peak
+    # heap 0.88 / 0.85 of DDP's, 1.06 / 1.15 pooled: docs/benchmarks.md)
+    kept = False
 
     def chunks(self, world: int) -> int:
         return world
@@ -1077,6 +1086,7 @@ class AllGatherBySum(Kind):
     """
 
     name = "all_gather/sum"
+    kept = False  # as _Rowed's
     takes_sparse = False
     gathers = True
     divides = False
