@@ -76,7 +76,9 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
     ``mode``: ``"grain"`` (reproducible), ``"default"`` (DDP's reduction, the
     dropout masks drawn from each rank's own generator, seeded alike) or
     ``"eval"`` (the default reduction, dropout off: only the summation order
-    differs between world sizes).
+    differs between world sizes) or ``"zero2"`` (reproducible, ``shard=True``:
+    AdamW on this rank's rows, the parameters all-gathered after each step;
+    the moments come back gathered too).
     """
     net = model()
     if mode == "eval":
@@ -89,17 +91,25 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
         out, _ = fr.apply(net, fr.State(p, {}), x)
         return F.cross_entropy(out, y)
 
+    zero2 = mode == "zero2"
     step = fr.distributed.grad_and_value(
-        loss_fn, **({"grain": GRAIN, "seed": SEED} if mode == "grain" else {})
+        loss_fn,
+        shard=zero2,
+        **({"grain": GRAIN, "seed": SEED} if mode in ("grain", "zero2") else {}),
     )
     torch.manual_seed(SEED)  # the default mode's dropout: each rank's own generator
     rows = BATCH // world
+    mine = fr.distributed.shard(params) if zero2 else params
+    state = fr.distributed.shard(state) if zero2 else state
     for t in range(1, STEPS + 1):
         x, y = batch(t)
         grads, _ = step(
             params, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
         )
-        params, state = adamw(params, grads, state, t)
+        mine, state = adamw(mine, grads, state, t)
+        params = fr.distributed.all_gather(mine, params) if zero2 else mine
+    if zero2:
+        state = {s: fr.distributed.all_gather(state[s], params) for s in ("m", "v")}
     return {"params": params, "state": state}
 
 
@@ -107,7 +117,7 @@ def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
     return train(mode, rank, dist.get_world_size())
 
 
-MODES = ("grain", "default", "eval")
+MODES = ("grain", "default", "eval", "zero2")
 for _mode in MODES:  # scenarios "train_grain", "train_default", "train_eval"
     _dist_workers.SCENARIOS[f"train_{_mode}"] = functools.partial(_train_on_ranks, _mode)
 
@@ -134,9 +144,13 @@ def sent(rank: int) -> dict[str, int]:
 
         step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN)
         step(params, torch.randn(GRAIN, 16))
+        all_reduce, counted[0] = counted[0], 0
+        step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, shard=True)
+        step(params, torch.randn(GRAIN, 16))  # (the MLP's rows divide by 4: no padding rows)
     finally:
         _reproducible.exchange = exchange  # type: ignore[assignment]
-    return {"sent": counted[0], "ring": 2 * n * (world - 1) // world}
+    ring = n * (world - 1) // world  # a ring reduce-scatter's; an all-reduce's twice that
+    return {"sent": all_reduce, "ring": 2 * ring, "sent_shard": counted[0], "ring_shard": ring}
 
 
 @scenario
@@ -199,16 +213,19 @@ def odd_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     return s + (p["c"] * x).cos().mean() + (p["d"].sum() * x.double()).exp().mean().float()
 
 
-def odd_grads(rank: int = 0, world: int = 1, group: Any = None) -> dict[str, torch.Tensor]:
+def odd_grads(
+    rank: int = 0, world: int = 1, group: Any = None, shard: bool = False
+) -> dict[str, torch.Tensor]:
     params, x = odd_tree()
     rows = x.shape[0] // world
-    step = fr.distributed.grad_and_value(odd_loss, grain=2, group=group)
+    step = fr.distributed.grad_and_value(odd_loss, grain=2, group=group, shard=shard)
     return step(params, x[rank * rows : (rank + 1) * rows])[0]  # type: ignore[no-any-return]
 
 
 @scenario
-def odd_sizes(rank: int) -> dict[str, torch.Tensor]:
-    return odd_grads(rank, dist.get_world_size())
+def odd_sizes(rank: int) -> dict[str, Any]:
+    world = dist.get_world_size()
+    return {"all": odd_grads(rank, world), "rows": odd_grads(rank, world, shard=True)}
 
 
 @scenario

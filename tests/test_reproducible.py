@@ -82,6 +82,15 @@ def test_training_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_zero2_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
+    # shard=True: each rank's rows of the same sum (halving alone), AdamW on the rows, gathered
+    assert equal(here["zero2"], here["grain"])
+    for world in WORLDS:
+        for rank, result in enumerate(w.ok(jobs[world], "train_zero2")):
+            assert equal(result, here["grain"]), f"grain=, shard=True: rank {rank} of {world}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
     # the same runs without grain=: the test above would fail for it, with dropout (masks drawn
     # by rank) and without (only the order of the sum differs), yet it trains alike
@@ -97,11 +106,18 @@ def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_uneven_halves_two_dtypes_and_a_group_of_two(jobs, one_thread):
     # a 0-dim leaf, float32 and float64 buffers of 9 and 5 elements: halves of 4 and 5, 2 and 3
+    # shard=True: this rank's rows of the same (fr.distributed.shard's, a late rank's empty)
     expected = rw.odd_grads()
     for world in WORLDS:
-        for rank, got in enumerate(w.ok(jobs[world], "odd_sizes")):
+        for rank, both in enumerate(w.ok(jobs[world], "odd_sizes")):
+            got = both["all"]
             assert all(torch.equal(got[k], expected[k]) for k in expected), (world, rank)
             assert all(got[k].dtype == expected[k].dtype for k in expected)
+            rows = both["rows"]
+            for k, t in expected.items():
+                c = -(-t.shape[0] // world) if t.dim() else None
+                want = t if c is None else t[rank * c : (rank + 1) * c]
+                assert rows[k].shape == want.shape and torch.equal(rows[k], want), (world, rank, k)
     in_pair = w.ok(jobs[4], "subgroup")
     assert in_pair[0] is None and in_pair[2] is None
     for got in (in_pair[1], in_pair[3]):  # group= of ranks 3 and 1: the same bits again
@@ -111,10 +127,12 @@ def test_uneven_halves_two_dtypes_and_a_group_of_two(jobs, one_thread):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_each_rank_sends_what_a_ring_all_reduce_sends(jobs):
     # recursive halving then doubling: 2 n (W - 1) / W bytes of an n-byte gradient (ratio 1.00)
+    # shard=True: recursive halving alone, n (W - 1) / W, a ring reduce-scatter's
     for world in WORLDS:
         for result in w.ok(jobs[world], "sent"):
             assert result["sent"] <= 1.05 * result["ring"], (world, result)
             assert result["sent"] == result["ring"], (world, result)
+            assert result["sent_shard"] == result["ring_shard"], (world, result)
 
 
 # --- what is refused, on every rank -------------------------------------------------------------
@@ -219,7 +237,6 @@ def _policy() -> Any:
 @pytest.mark.parametrize(
     ("name", "value", "shown"),
     [
-        ("shard", lambda: True, "shard=True"),
         ("weight", lambda: lambda p, x: 1.0, "weight=function"),
         ("compress", lambda: "bf16", "compress='bf16'"),
         ("mp_policy", _policy, "mp_policy=MixedPrecisionPolicy"),

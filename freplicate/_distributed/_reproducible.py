@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
-from .._pack import device_dtype, group_by, layout_of, pack, unpack
+from .._pack import Layout, device_dtype, group_by, layout_of, memory_order, pack, unpack
 from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
 from ._group import collective, comm_device
@@ -144,12 +144,21 @@ class Grains:
     """
 
     def __init__(
-        self, grain: int, seed: int, caller: str, *, op: str, argnums: int, has_aux: bool
+        self,
+        grain: int,
+        seed: int,
+        caller: str,
+        *,
+        op: str,
+        argnums: int,
+        has_aux: bool,
+        shard: bool = False,
     ) -> None:
         self.grain = grain
         self.seed = seed
         self.caller = caller
         self.op, self.argnums, self.has_aux = op, argnums, has_aux  # the step's, fixed
+        self.shard = shard  # ZeRO-2: this rank's rows of each gradient (halving only)
         self.step = 0
         self.checked = False  # the parameters' checksum goes with the first call only
 
@@ -196,7 +205,8 @@ class Grains:
                 "samples"
             )
         *grads, loss = summed
-        grads = _reduced(grads, rank, world, group, m * world, op, caller)
+        reduce = _scattered if self.shard else _reduced
+        grads = reduce(grads, rank, world, group, m * world, op, caller)
         value = loss / m  # this rank's mean of its grains' values, not reduced
         out = optree.tree_unflatten(spec, grads)
         return out, ((value, auxes) if has_aux else value)
@@ -405,6 +415,20 @@ def halving_doubling(flat: torch.Tensor, rank: int, world: int, group: Any, call
     is 0 holds the lower block of ranks, keeps the lower half of the current
     segment, and its partial is the left operand of the sum on both sides.
     """
+    segments, (lo, hi) = halving(flat, rank, world, group, caller)
+    for level in reversed(range(len(segments))):  # each level's halves swapped back
+        (glo, ghi), parent = segments[level]
+        exchange(flat[lo:hi], flat[glo:ghi], rank ^ (1 << level), group, caller)
+        lo, hi = parent
+
+
+def halving(
+    flat: torch.Tensor, rank: int, world: int, group: Any, caller: str
+) -> tuple[list[tuple[tuple[int, int], tuple[int, int]]], tuple[int, int]]:
+    """Recursive halving of ``flat`` in place: per level, the half given away and the segment
+    it was halved from; and the segment kept last, which holds the sum over every rank. Rank
+    ``r`` keeps the ``bitrev(r)``-th of ``world`` equal segments where ``flat``'s size
+    divides by ``world`` (``_scattered``'s blocks)."""
     segments: list[tuple[tuple[int, int], tuple[int, int]]] = []  # (given half, segment)
     lo, hi = 0, flat.numel()
     level = 0
@@ -420,10 +444,72 @@ def halving_doubling(flat: torch.Tensor, rank: int, world: int, group: Any, call
         segments.append((give, (lo, hi)))
         lo, hi = keep
         level += 1
-    for level in reversed(range(len(segments))):  # each level's halves swapped back
-        (glo, ghi), parent = segments[level]
-        exchange(flat[lo:hi], flat[glo:ghi], rank ^ (1 << level), group, caller)
-        lo, hi = parent
+    return segments, (lo, hi)
+
+
+def bitrev(r: int, world: int) -> int:
+    """``r``'s ``log2(world)`` bits reversed: the segment recursive halving leaves rank ``r``.
+
+    >>> [bitrev(r, 4) for r in range(4)]
+    [0, 2, 1, 3]
+    """
+    out, bit = 0, 1
+    while bit < world:
+        out = (out << 1) | (1 if r & bit else 0)
+        bit <<= 1
+    return out
+
+
+def _scattered(
+    leaves: list[Any], rank: int, world: int, group: Any, total: int, op: str, caller: str
+) -> list[Any]:
+    """ZeRO-2's reduction: this rank's rows of each leaf summed over the ranks (``fr.shard``'s
+    rows: ``ceil(d0 / W)`` a rank), by recursive halving alone, each element in the order
+    ``_reduced`` adds it; a 0-dim leaf held whole, reduced whole (``_reduced``).
+
+    One buffer per dtype and device of ``W`` equal blocks, rank ``q``'s rows of every leaf
+    (zero rows after a late rank's last) at block ``bitrev(q)``: the block halving leaves
+    rank ``q``. Each rank sends a ring reduce-scatter's elements (with the padding rows).
+    This rank's block is copied out, so that its gradients hold their rows alone."""
+    out = list(leaves)
+    whole = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and not t.dim()]
+    if whole:
+        for k, t in zip(
+            whole, _reduced([leaves[k] for k in whole], rank, world, group, total, op, caller)
+        ):
+            out[k] = t
+    rowed = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.dim()]
+    for members in group_by(rowed, lambda k: device_dtype(leaves[k])).values():
+        ks = [rowed[i] for i in members]
+        ts = [leaves[k] for k in ks]
+        rows = [-(-t.shape[0] // world) for t in ts]
+        orders = tuple(_rows_outside(memory_order(t)) for t in ts)
+        shapes = tuple(torch.Size((c, *t.shape[1:])) for c, t in zip(rows, ts))
+        numels = tuple(s.numel() for s in shapes)
+        layout = Layout(shapes, numels, ts[0].dtype, ts[0].device, orders, (0,) * len(ts))
+        size = layout.size
+        flat = torch.zeros(size * world, dtype=layout.dtype, device=layout.device)
+        for q in range(world):
+            at = bitrev(q, world) * size
+            for c, t, block in zip(rows, ts, unpack(flat[at : at + size], layout)):
+                valid = max(0, min(c, t.shape[0] - q * c))
+                block[:valid].copy_(t[q * c : q * c + valid])
+        at = bitrev(rank, world) * size
+        if world > 1:
+            _, kept = halving(flat, rank, world, group, caller)
+            assert kept == (at, at + size), "halving keeps this rank's block"
+        mine = flat[at : at + size].clone()
+        del flat
+        if op == "mean" and (mine.is_floating_point() or mine.is_complex()):
+            mine.div_(total)
+        for k, c, t, view in zip(ks, rows, ts, unpack(mine, layout)):
+            out[k] = view[: max(0, min(c, t.shape[0] - rank * c))]
+    return out
+
+
+def _rows_outside(order: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """A memory order whose rows are outermost (a rank's rows are then one run), else none."""
+    return order if order is None or order[0] == 0 else None
 
 
 def exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, group: Any, caller: str) -> None:

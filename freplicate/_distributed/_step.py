@@ -107,11 +107,10 @@ class Step:
         #: the reproducible mode's own part (``_reproducible``), or ``None``: the default
         self.grains: Grains | None = None
         if grain is not None:
-            refuse(
-                _CALLER, grain, seed, shard=shard, weight=weight, mp_policy=mp_policy,
-                compress=compress,
-            )  # fmt: skip
-            self.grains = Grains(grain, seed, _CALLER, op=op, argnums=argnums, has_aux=has_aux)
+            refuse(_CALLER, grain, seed, weight=weight, mp_policy=mp_policy, compress=compress)
+            self.grains = Grains(
+                grain, seed, _CALLER, op=op, argnums=argnums, has_aux=has_aux, shard=shard
+            )
         #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
         self.run = fn if precision is None else around(fn, precision, argnums)
         self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
@@ -737,10 +736,13 @@ def grad_and_value(
     with ``op="sum"``, a sum) over its grain's samples; BatchNorm normalises
     each grain alone. ``value`` is this rank's mean of its grains' values;
     with ``has_aux``, ``(value, [aux of each grain])``. ``g.grains.step``
-    counts the calls (set it when resuming a job at a step). Not (yet) with
-    ``shard``, ``weight``, ``compress``, ``mp_policy``, ``skip``,
-    ``accumulate``, ``torch.compile``, ``torch.func`` transforms or
-    graph-carrying inputs: ``NotImplementedError`` naming them.
+    counts the calls (set it when resuming a job at a step). With ``shard``
+    (ZeRO-2), each rank gets its rows of that sum by recursive halving alone
+    (a ring reduce-scatter's bytes): ``fr.distributed.shard`` of the
+    all-reduced gradients, bit for bit. Not (yet) with ``weight``,
+    ``compress``, ``mp_policy``, ``skip``, ``accumulate``, ``torch.compile``,
+    ``torch.func`` transforms or graph-carrying inputs:
+    ``NotImplementedError`` naming them.
 
     ``g.skip(*args)``: a rank without a batch (its data ran out, see
     ``fr.distributed.join``) still takes part, with zeros and weight 0, and
