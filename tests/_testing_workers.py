@@ -84,3 +84,16 @@ class NoFloatOutput(nn.Module):
 def first_output(out: torch.Tensor) -> torch.Tensor:
     """A user's loss: the first output element."""
     return out.flatten()[0]
+
+
+class ByRank(nn.Module):
+    """A linear model whose output scales with the rank it runs on (1 + 1e-3 * rank): what
+    ``fr.testing.check_reproducible`` must report, naming a rank of the larger world."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return self.fc(x) * (1 + 1e-3 * rank)

@@ -8,8 +8,11 @@ DataParallel path on the same inputs and compares outputs, gradients and
 buffers; ``check_against_ddp``, the oracle that trains a module with
 ``fr.distributed`` and with ``DistributedDataParallel`` on the ranks of a
 ``RankPool`` (gloo processes on this machine, loopback only, started once
-and reused) and compares them phase by phase, evaluation included; and
-``init_loopback_group``, the gloo group those ranks join, for ranks you
+and reused) and compares them phase by phase, evaluation included;
+``check_reproducible``, which trains a module with
+``fr.distributed.grad_and_value(..., grain=)`` on the ranks of pools of
+several world sizes and asserts every rank ends each step with the bits of
+one process; and ``init_loopback_group``, the gloo group those ranks join, for ranks you
 start yourself. Needs the optional ``hypothesis`` dependency (from a clone
 of the repository: ``pip install -e '.[testing]'``, or ``pip install
 hypothesis``). Like a user's code, it relies only on the public face of
@@ -32,6 +35,7 @@ from ._ddp import check_against_ddp as check_against_ddp
 from ._groups import init_loopback_group as init_loopback_group
 from ._oracle import check_against_stateful as check_against_stateful
 from ._pool import RankPool as RankPool
+from ._reproducible import check_reproducible as check_reproducible
 from ._strategies import devices as devices
 from ._strategies import modules as modules
 from ._strategies import trees as trees
@@ -41,6 +45,7 @@ __all__ = [
     "assert_trees_close",
     "check_against_ddp",
     "check_against_stateful",
+    "check_reproducible",
     "devices",
     "init_loopback_group",
     "modules",
