@@ -235,3 +235,45 @@ def subgroup(rank: int) -> dict[str, torch.Tensor] | None:
     if rank not in (1, 3):
         return None
     return odd_grads(dist.get_rank(pair), 2, group=pair)
+
+
+def resumed(path: str, save_after: int | None) -> dict[str, Any]:
+    """ZeRO-2 in the reproducible mode on a ``fr.testing.RankPool``'s ranks, through a checkpoint.
+
+    ``save_after=t``: steps 1 to ``t`` from the start, then ``save_sharded`` of this rank's
+    rows of the parameters and moments (and ``t``) to ``path``; ``None``: ``load_sharded``
+    from ``path`` on this world size, ``step.grains.step`` set to the saved ``t`` (the
+    dropout masks the interrupted run would have drawn), steps ``t + 1`` to ``STEPS``. The
+    parameters and moments at the end, gathered.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    net = model()
+    full = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+    zeros = {k: torch.zeros_like(p) for k, p in full.items()}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(net, fr.State(p, {}), x)[0], y)
+
+    step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, seed=SEED, shard=True)
+    like = {"params": full, "m": zeros, "v": zeros, "t": 0}
+    if save_after is None:
+        got = fr.distributed.load_sharded(path, fr.distributed.shard(like))
+        mine, state, done = got["params"], {"m": got["m"], "v": got["v"]}, got["t"]
+        params = fr.distributed.all_gather(mine, full)
+        step.grains.step = done
+    else:
+        params, done = full, 0
+        mine, state = fr.distributed.shard(full), fr.distributed.shard({"m": zeros, "v": zeros})
+    rows = BATCH // world
+    for t in range(done + 1, (save_after or STEPS) + 1):
+        x, y = batch(t)
+        grads, _ = step(
+            params, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        )
+        mine, state = adamw(mine, grads, state, t)
+        params = fr.distributed.all_gather(mine, params)
+    if save_after is not None:
+        tree = {"params": mine, "m": state["m"], "v": state["v"], "t": save_after}
+        fr.distributed.save_sharded(path, tree, like)
+    gathered = {s: fr.distributed.all_gather(state[s], params) for s in ("m", "v")}
+    return {"params": params, "state": gathered}

@@ -91,6 +91,19 @@ def test_zero2_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_a_checkpoint_written_on_4_ranks_resumes_on_2_and_on_1_with_the_same_bits(here, tmp_path):
+    # ZeRO-2 rows and moments saved after step 2 of 4 on 4 ranks (save_sharded), loaded on 2
+    # and on 1 (load_sharded reshards), the last 2 steps run there: one process's 4 steps
+    path = str(tmp_path / "ckpt")
+    with fr.testing.RankPool(4, timeout=30.0, deadline=90.0) as four:
+        four.run(rw.resumed, path, 2)
+    for world in (2, 1):
+        with fr.testing.RankPool(world, timeout=30.0, deadline=90.0) as pool:
+            for rank, result in enumerate(pool.run(rw.resumed, path, None)):
+                assert equal(result, here["grain"]), f"resumed on {world} ranks: rank {rank}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
     # the same runs without grain=: the test above would fail for it, with dropout (masks drawn
     # by rank) and without (only the order of the sum differs), yet it trains alike
