@@ -38,6 +38,20 @@ start equal on every rank because rank 0's are broadcast
 holds the parameters, the optimizer state and every rank's random stream;
 ``--resume`` goes on from one, bit-identically.
 
+``--grain N`` trains with ``fr.distributed.grad_and_value(loss, grain=N,
+seed=--seed)`` (docs/reproducible.md): ``--batch-size`` is then the global
+batch of a step, drawn alike on every rank from a stream that names no rank,
+and rank ``r`` of ``W`` takes its rows ``[r*B/W, (r+1)*B/W)``; each grain of
+``N`` sequences has its gradient, and its dropout masks, alone, and the
+grains' gradients are summed in one fixed tree. On 1, 2, 4, ... processes
+with the same threads each (``OMP_NUM_THREADS=1``: torchrun sets it only
+for more than one process), the run ends with the same bits: compare the
+sha256 the run prints last. It takes ``--accumulate 1`` and neither ``--ddp``,
+``--zero`` nor ``--compile``; a checkpoint resumes on any power of two of ranks:
+
+    OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 \\
+        --master-port 29533 examples/gpt_train.py --grain 4 --batch-size 32 --accumulate 1
+
 ``train(config)`` is the loop, callable on the ranks of a process group that
 is already initialised (the tests start their own); ``main(argv)`` is the
 torchrun entry point (``env://``).
@@ -47,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import math
 import os
 import shutil
@@ -84,7 +99,9 @@ class Config:
     dropout: float = _option(0.1, "dropout probability (attention, residual, embedding)")
     # the data
     sentences: int = _option(4000, "sentences in the generated corpus")
-    batch_size: int = _option(16, "sequences in a micro-batch, on each rank")
+    batch_size: int = _option(
+        16, "sequences in a micro-batch, on each rank (with --grain: the global batch a step)"
+    )
     accumulate: int = _option(2, "micro-batches a step (gradient accumulation)")
     # the optimisation
     steps: int = _option(300, "optimizer steps")
@@ -112,6 +129,12 @@ class Config:
     compile: bool = _option(
         False, "torch.compile the loss (freplicate) or the DDP module (--ddp); minutes, once"
     )
+    grain: int | None = _option(
+        None,
+        "sequences a grain: the same bits on 1, 2, 4, ... ranks (grad_and_value(grain=), "
+        "docs/reproducible.md); one global batch of --batch-size a step, cut over the ranks",
+        type=int,
+    )
     # evaluation, sampling, checkpoints
     eval_every: int = _option(100, "steps between evaluations (and checkpoints)")
     eval_batches: int = _option(8, "batches an evaluation averages, on each rank")
@@ -134,6 +157,33 @@ class Config:
             raise ValueError(
                 "--zero 3 runs eagerly here: this example does not compile apply_sharded's loss "
                 "(docs/sharding.md says what compiling it does)"
+            )
+        if self.grain is not None:
+            self._check_grain()
+
+    def _check_grain(self) -> None:
+        """What ``--grain`` runs: one global batch a step, on the functional side, eagerly."""
+        assert self.grain is not None
+        if self.grain < 1:
+            raise ValueError(f"--grain must be a number of sequences >= 1, got {self.grain}")
+        refused = {
+            "--ddp": self.ddp,  # DDP sums in its own order: nothing to compare bits with
+            f"--zero {self.zero}": self.zero,  # grain= does not shard yet
+            "--compile": self.compile,  # grain= runs eagerly only
+            f"--accumulate {self.accumulate}": self.accumulate != 1,  # it has no accumulate()
+        }
+        for option, given in refused.items():
+            if given:
+                raise ValueError(
+                    f"--grain (reproducible across world sizes) does not take {option}: "
+                    "it runs one global batch a step, replicated, eagerly, on the functional "
+                    "side (--accumulate 1, a larger --batch-size instead of micro-batches)"
+                )
+        grains = self.batch_size // self.grain
+        if self.batch_size % self.grain or grains & (grains - 1):
+            raise ValueError(
+                f"--grain {self.grain} must cut the global batch (--batch-size "
+                f"{self.batch_size}) into a power of two of grains (1, 2, 4, ...)"
             )
 
 
@@ -161,16 +211,24 @@ def schedule(config: Config) -> Schedule:
 
 
 class Data:
-    """The corpus, split 90/10 into training and validation text; each rank its own training shard."""
+    """The corpus, split 90/10 into training and validation text; each rank its own training shard.
+
+    With ``--grain`` every rank reads the whole training text: a step's
+    global batch is drawn alike on every rank and world size, and each rank
+    takes its rows of it (``rows``).
+    """
 
     def __init__(self, config: Config, rank: int, world: int) -> None:
         text = corpus(config.sentences)
         self.vocab = Vocabulary(text)
         ids = self.vocab.encode(text)
         cut = int(0.9 * len(ids))
-        shard = cut // world
-        self.splits = {"train": ids[rank * shard : (rank + 1) * shard], "val": ids[cut:]}
+        shard = cut if config.grain else cut // world
+        first = 0 if config.grain else rank * shard
+        self.splits = {"train": ids[first : first + shard], "val": ids[cut:]}
         self.config = config
+        n = config.batch_size // world  # --grain: rank r of W holds rows [r*n, (r+1)*n)
+        self.rows = slice(rank * n, (rank + 1) * n) if config.grain else slice(None)
 
     def batch(
         self, split: str = "train", generator: torch.Generator | None = None
@@ -292,7 +350,11 @@ class Functional:
         else:
             self.params = params
             self.mine = fr.distributed.shard(params) if self.zero else params
-            self.grad = fr.distributed.grad_and_value(loss, shard=self.zero == 2)
+            self.grad = fr.distributed.grad_and_value(
+                loss,
+                shard=self.zero == 2,
+                **({"grain": config.grain, "seed": config.seed} if config.grain else {}),
+            )
         self.opt_state = self.init(self.mine)
 
     def loss(self, params: Params, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -317,6 +379,11 @@ class Functional:
         micro: Iterator[tuple[torch.Tensor, torch.Tensor]] = (self.data.batch() for _ in range(k))
         if self.zero == 3:
             grads, losses = self.accumulate_sharded(micro)
+        elif self.config.grain:  # the global batch, this rank's rows; dropout keyed by grain
+            x, y = self.data.batch()
+            rows = self.data.rows
+            grads, loss = self.grad(self.params, x[rows], y[rows])
+            losses = [loss]
         else:
             grads, losses = self.grad.accumulate(self.params, micro, count=k)
         if self.zero >= 2:  # this rank's rows: the norm of the full gradient, from every rank's
@@ -377,6 +444,8 @@ class Functional:
         self.params = self.mine = dict(checkpoint["params"])
         like = optree.tree_structure(self.init(self.params), namespace="torchopt")
         self.opt_state = optree.tree_unflatten(like, checkpoint["optimizer"])
+        if self.config.grain:  # the dropout masks of the steps the checkpoint had not run
+            self.grad.grains.step = checkpoint["step"]
 
     # --- ZeRO's checkpoints: every rank writes and reads its own rows ---------------------------
 
@@ -475,15 +544,18 @@ def evaluate(config: Config, side: Side, data: Data, rank: int) -> dict[str, flo
 
     The batches come from generators of their own, the same at every
     evaluation, so that evaluating draws nothing from the training stream.
+    With ``--grain`` they are global batches, the same on every world size,
+    of which each rank evaluates its rows.
     """
     side.model.eval()
     means = {}
+    stream = 0 if config.grain else rank
     with torch.no_grad(), autocast(config):
         for i, split in enumerate(("train", "val")):
-            g = torch.Generator().manual_seed(config.seed + 1000 * (rank + 1) + i)
+            g = torch.Generator().manual_seed(config.seed + 1000 * (stream + 1) + i)
             batches = [data.batch(split, g) for _ in range(config.eval_batches)]
             means[split] = torch.stack(
-                [cross_entropy(side.logits(x), y) for x, y in batches]
+                [cross_entropy(side.logits(x[data.rows]), y[data.rows]) for x, y in batches]
             ).mean()
     side.model.train()
     return {k: float(v) for k, v in side.mean_over_ranks(means).items()}
@@ -564,10 +636,16 @@ def start(config: Config, say: Callable[[str], None]) -> Run:
     if checkpoint is not None:
         where = {k: getattr(config, k) for k in _WHERE}
         config = Config(**{**checkpoint["config"], **where})
-        if len(checkpoint["rng"]) != world:
+        if len(checkpoint["rng"]) != world and not config.grain:
             raise ValueError(
                 f"{config.resume} was written by {len(checkpoint['rng'])} ranks; resume it on as many"
             )
+    if config.grain and (config.batch_size // config.grain) % world:
+        raise ValueError(
+            f"--grain {config.grain} cuts the global batch (--batch-size {config.batch_size}) "
+            f"into {config.batch_size // config.grain} grains, which {world} ranks cannot share "
+            "alike: run on a power of two of ranks, at most as many as grains"
+        )
     data = Data(config, rank, world)
     torch.manual_seed(config.seed)
     model = GPT(
@@ -581,18 +659,22 @@ def start(config: Config, say: Callable[[str], None]) -> Run:
         )
     )
     side: Side = Stateful(config, model, data) if config.ddp else Functional(config, model, data)
-    torch.manual_seed(config.seed + 1 + rank)  # this rank's stream: its batches, its dropout masks
+    # this rank's stream: its batches, its dropout masks; with --grain every rank's is the same (the
+    # global batches), and dropout draws from generators keyed by grain, not from it
+    stream = 0 if config.grain else rank
+    torch.manual_seed(config.seed + 1 + stream)
     if checkpoint is None:
         n = sum(p.numel() for p in side.parameters().values())
         say(
             f"{'DDP' if config.ddp else 'freplicate'}"
-            f"{f' ZeRO-{config.zero}' if config.zero else ''}, {world} ranks, {n:,} parameters, "
-            f"vocabulary of {len(data.vocab)}, optimizer "
-            f"{'torch.optim.AdamW' if config.ddp else config.optimizer}"
+            f"{f' ZeRO-{config.zero}' if config.zero else ''}"
+            f"{f' grains of {config.grain}' if config.grain else ''}, {world} ranks of "
+            f"{torch.get_num_threads()} threads, {n:,} parameters, vocabulary of "
+            f"{len(data.vocab)}, optimizer {'torch.optim.AdamW' if config.ddp else config.optimizer}"
         )
         return Run(config, data, side, 0)
     side.load(checkpoint)
-    torch.set_rng_state(checkpoint["rng"][rank])
+    torch.set_rng_state(checkpoint["rng"][stream])  # --grain: any world size resumes
     say(f"resuming {config.resume} at step {checkpoint['step']}")
     return Run(config, data, side, checkpoint["step"])
 
@@ -605,7 +687,9 @@ def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str
         "loss": this rank's loss at each step, "norm": the gradient norm
         before clipping, "ms": each step's time on this rank,
         "eval": [(step, train loss, val loss)], "sample": generated text,
-        "params": the final parameters}``.
+        "params": the final parameters, "optimizer": this rank's optimizer
+        state (``side.optimizer_state()``)}``. Rank 0 prints the sha256 of
+        the final parameters and its optimizer state (``fingerprint``).
     """
     rank = dist.get_rank()
     say = log if log is not None and rank == 0 else (lambda _: None)
@@ -634,7 +718,31 @@ def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str
     history["sample"] = sample(config, side, data) if config.sample_chars else ""
     say(f"sample:\n{history['sample']}")
     history["params"] = {k: p.detach().clone() for k, p in side.parameters().items()}
+    history["optimizer"] = side.optimizer_state()
+    if rank == 0:
+        say(f"sha256 of the parameters and the optimizer state: {fingerprint(history)}")
     return history
+
+
+def fingerprint(history: dict[str, Any]) -> str:
+    """The sha256 of a run's final parameters and optimizer state: names, dtypes, shapes, bytes.
+
+    Two runs print the same exactly when their parameters and optimizer
+    states are the same bits (``--grain`` on 1, 2 and 4 ranks, for one).
+    With ``--zero``, the optimizer state is rank 0's rows of it.
+    """
+    leaves, spec = optree.tree_flatten(
+        (history["params"], history["optimizer"]), namespace="torchopt"
+    )
+    digest = hashlib.sha256(str(spec).encode())
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().cpu().contiguous()
+            digest.update(f"{t.dtype} {tuple(t.shape)}".encode())
+            digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        else:
+            digest.update(repr(leaf).encode())
+    return digest.hexdigest()
 
 
 def parse(argv: list[str] | None) -> Config:
