@@ -168,7 +168,9 @@ class Config:
             raise ValueError(f"--grain must be a number of sequences >= 1, got {self.grain}")
         refused = {
             "--ddp": self.ddp,  # DDP sums in its own order: nothing to compare bits with
-            f"--zero {self.zero}": self.zero,  # grain= does not shard yet
+            # ZeRO-2's clipping norm joins the ranks' rows, cut by the world size; ZeRO-3's
+            # gradient is apply_sharded's, not a grain= step's; ZeRO-1's state is rows
+            f"--zero {self.zero}": self.zero,
             "--compile": self.compile,  # grain= runs eagerly only
             f"--accumulate {self.accumulate}": self.accumulate != 1,  # it has no accumulate()
         }
