@@ -172,7 +172,9 @@ class Config:
             # gradient is apply_sharded's, not a grain= step's; ZeRO-1's state is rows
             f"--zero {self.zero}": self.zero,
             "--compile": self.compile,  # grain= runs eagerly only
-            f"--accumulate {self.accumulate}": self.accumulate != 1,  # it has no accumulate()
+            # grain='s accumulate() takes a rank's block of the step's grains: this example's
+            # micro-batches are each a global batch cut across the ranks, another order
+            f"--accumulate {self.accumulate}": self.accumulate != 1,
         }
         for option, given in refused.items():
             if given:

@@ -6,8 +6,8 @@ four grains made from one drawn input (it, twice it, minus it, it plus one:
 four grains of other values), trained two SGD steps by
 ``fr.testing.check_reproducible`` in this process and on pools of 2 and 4
 ranks (2 and 1 grains a rank), all-reduced or, with ``shard=True``, reduce-
-scattered (ZeRO-2): every rank's gradients and parameters after every step
-equal this process's, bit for bit.
+scattered (ZeRO-2), each grain weighted or not (``weight=``): every rank's
+gradients and parameters after every step equal this process's, bit for bit.
 """
 
 from __future__ import annotations
@@ -55,17 +55,26 @@ def four_grains(inputs: Any) -> Any:
     return optree.tree_map(grains, inputs)
 
 
+def positives(params: Any, *args: Any, **kwargs: Any) -> float:
+    """A grain's weight: its samples whose first floating-point input sums above 0 (may be 0)."""
+    for t in optree.tree_leaves((args, kwargs)):
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim():
+            return float((t.flatten(1).sum(1) > 0).sum()) if t.dim() > 1 else float((t > 0).sum())
+    return 1.0
+
+
 def rows(inputs: Any) -> int:
     return next(t.shape[0] for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor))
 
 
 @examples(0.1)
-@given(modules(kinds=KINDS, training=True), st.booleans(), st.data())
+@given(modules(kinds=KINDS, training=True), st.booleans(), st.booleans(), st.data())
 def test_every_world_size_ends_each_step_with_one_process_bits(
-    pools: dict[int, RankPool], drawn: Any, shard: bool, data: st.DataObject
+    pools: dict[int, RankPool], drawn: Any, shard: bool, weighted: bool, data: st.DataObject
 ) -> None:
     module, inputs = drawn
     one = data.draw(inputs)
     check_reproducible(
-        module, four_grains(one), grain=rows(one), pools=pools, shard=shard, seed=3, steps=2
-    )
+        module, four_grains(one), grain=rows(one), pools=pools, shard=shard, seed=3, steps=2,
+        weight=positives if weighted else None,
+    )  # fmt: skip

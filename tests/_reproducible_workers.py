@@ -92,20 +92,24 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
         return F.cross_entropy(out, y)
 
     zero2 = mode == "zero2"
-    step = fr.distributed.grad_and_value(
-        loss_fn,
-        shard=zero2,
-        **({"grain": GRAIN, "seed": SEED} if mode in ("grain", "zero2") else {}),
-    )
+    grained: dict[str, Any] = {}
+    if mode in ("grain", "zero2", "accumulate"):
+        grained = {"grain": GRAIN, "seed": SEED}
+    if mode == "accumulate":  # each grain weighted by its samples of the first 4 classes
+        grained["weight"] = _counted
+    step = fr.distributed.grad_and_value(loss_fn, shard=zero2, **grained)
     torch.manual_seed(SEED)  # the default mode's dropout: each rank's own generator
     rows = BATCH // world
     mine = fr.distributed.shard(params) if zero2 else params
     state = fr.distributed.shard(state) if zero2 else state
     for t in range(1, STEPS + 1):
         x, y = batch(t)
-        grads, _ = step(
-            params, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-        )
+        x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+        if mode == "accumulate":  # two micro-batches of unequal size: one block of grains
+            cut = GRAIN  # one grain, then the rest
+            grads, _ = step.accumulate(params, [(x[:cut], y[:cut]), (x[cut:], y[cut:])])
+        else:
+            grads, _ = step(params, x, y)
         mine, state = adamw(mine, grads, state, t)
         params = fr.distributed.all_gather(mine, params) if zero2 else mine
     if zero2:
@@ -117,7 +121,14 @@ def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
     return train(mode, rank, dist.get_world_size())
 
 
-MODES = ("grain", "default", "eval", "zero2")
+MODES = ("grain", "default", "eval", "zero2", "accumulate")
+
+
+def _counted(p: Any, x: torch.Tensor, y: torch.Tensor) -> float:
+    """A grain's weight: its samples of the first four classes (0 for some grains)."""
+    return float((y < 4).sum())
+
+
 for _mode in MODES:  # scenarios "train_grain", "train_default", "train_eval"
     _dist_workers.SCENARIOS[f"train_{_mode}"] = functools.partial(_train_on_ranks, _mode)
 

@@ -104,6 +104,15 @@ def test_a_checkpoint_written_on_4_ranks_resumes_on_2_and_on_1_with_the_same_bit
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_weighted_and_accumulated_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
+    # weight= per grain and accumulate() over two unequal micro-batches a rank
+    assert not equal(here["accumulate"], here["grain"])  # the weights change the run
+    for world in WORLDS:
+        for rank, result in enumerate(w.ok(jobs[world], "train_accumulate")):
+            assert equal(result, here["accumulate"]), f"weight=, accumulate: rank {rank} of {world}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_the_default_mode_is_not_the_same_across_world_sizes(jobs, here):
     # the same runs without grain=: the test above would fail for it, with dropout (masks drawn
     # by rank) and without (only the order of the sum differs), yet it trains alike
@@ -217,6 +226,43 @@ def test_the_gradient_is_the_tree_of_the_grains_gradients(one_thread):
     fr.testing.assert_trees_close(step(params, x, y)[0], plain, rtol=1e-5, atol=1e-6)
 
 
+def test_accumulate_is_one_call_on_the_micro_batches_rows_and_weights_scale_each_grain(one_thread):
+    net, params = _mlp()
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(fr.apply(net, fr.State(p, {}), x)[0], y)
+
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    whole, _ = fr.distributed.grad_and_value(loss_fn, grain=2, seed=1)(params, x, y)
+    step = fr.distributed.grad_and_value(loss_fn, grain=2, seed=1)
+    # 2 + 6 grains: neither a power of two, their block of 8 is
+    acc, values = step.accumulate(params, iter([(x[:4], y[:4]), (x[4:], y[4:])]), count=2)
+    assert all(torch.equal(acc[k], whole[k]) for k in whole)
+    assert len(values) == 2 and all(v.dim() == 0 for v in values)
+
+    # weight=: each grain's gradient times its weight, the tree, over the weights' sum
+    def weight(p: Any, x: Any, y: torch.Tensor) -> float:
+        return float((y == 0).sum())
+
+    got, _ = fr.distributed.grad_and_value(loss_fn, grain=2, seed=1, weight=weight)(params, x, y)
+    parts = []
+    for p in range(8):
+        torch.manual_seed(grain_seed(1, 0, p))
+        rows = slice(2 * p, 2 * p + 2)
+        g, _ = torch.func.grad_and_value(loss_fn)(params, x[rows], y[rows])
+        wp = weight(params, None, y[rows])
+        parts.append([*(t * wp for t in g.values()), torch.tensor(wp, dtype=torch.float64)])
+    *expected, total = tree_sum(parts)
+    assert float(total) > 0
+    assert all(torch.equal(a, e / float(total)) for a, e in zip(got.values(), expected))
+    none = fr.distributed.grad_and_value(loss_fn, grain=2, weight=lambda p, x, y: 0.0)
+    assert all(not g.any() for g in none(params, x, y)[0].values())  # every weight 0: zeros
+    with pytest.raises(ValueError, match=r"weight\(\*grain\) must be a finite number >= 0"):
+        fr.distributed.grad_and_value(loss_fn, grain=2, weight=lambda p, x, y: -1.0)(params, x, y)
+    with pytest.raises(ValueError, match=r"needs at least one micro-batch"):
+        step.accumulate(params, [])
+
+
 def test_batchnorm_normalises_each_grain_alone(one_thread):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 1))
@@ -250,7 +296,6 @@ def _policy() -> Any:
 @pytest.mark.parametrize(
     ("name", "value", "shown"),
     [
-        ("weight", lambda: lambda p, x: 1.0, "weight=function"),
         ("compress", lambda: "bf16", "compress='bf16'"),
         ("mp_policy", _policy, "mp_policy=MixedPrecisionPolicy"),
     ],
@@ -263,8 +308,6 @@ def test_options_the_mode_does_not_take_are_refused(name, value, shown):
 def test_calls_the_mode_does_not_take_are_refused():
     p, x = {"w": torch.ones(3)}, torch.ones(4, 3)
     step = fr.distributed.grad_and_value(_loss, grain=2)
-    with pytest.raises(NotImplementedError, match=r"has no accumulate\(\) yet"):
-        step.accumulate(p, [(x,)])
     with pytest.raises(NotImplementedError, match=r"has no skip\(\) yet"):
         step.skip(p)
     with pytest.raises(NotImplementedError, match="runs eagerly only"):

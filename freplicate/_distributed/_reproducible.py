@@ -45,6 +45,7 @@ from .._pack import Layout, device_dtype, group_by, layout_of, memory_order, pac
 from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
 from ._group import collective, comm_device
+from ._options import weight_value
 
 __all__ = ["Grains", "exchange", "grain_seed", "halving_doubling", "refuse", "tree_sum"]
 
@@ -165,28 +166,38 @@ class Grains:
     def __call__(
         self,
         local: Callable[..., tuple[Any, Any]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
+        batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
         *,
         group: Any,
         world: int,
         checksums: Callable[[], list[int]] | None,
-    ) -> tuple[Any, Any]:
-        """This rank's grains' gradients, summed with every rank's in the fixed tree; its value."""
+        weight: Callable[..., Any] | None = None,
+    ) -> tuple[Any, Any, list[Any]]:
+        """This rank's grains' gradients, summed with every rank's in the fixed tree; its value
+        and each batch's (``(value, [aux of each grain])`` with ``has_aux``).
+
+        ``batches``: the positional and keyword arguments of one call, or of each of
+        ``accumulate``'s micro-batches: their grains, in order, are this rank's block of the
+        step's grains, as if the batches were one. ``weight``: a function of a grain's
+        arguments; each grain's gradient is multiplied by its weight, the weights are summed
+        in the same tree, and the mean divides by their sum.
+        """
         caller, op, has_aux = self.caller, self.op, self.has_aux
         world = max(world, 1)
-        n = self._refuse(args, kwargs, world)
+        for args, kwargs in batches:
+            n = self._refuse(args, kwargs, world)
         rank = dist.get_rank(group) if world > 1 else 0
         step, self.step = self.step, self.step + 1
         error: BaseException | None = None
         summed: list[Any] = []
         spec: Any = None
-        auxes: list[Any] = []
+        values: list[Any] = []
         m = 0
         try:
-            m, cut = _cut(args, kwargs, n, self.grain, caller)
+            cuts = [_cut(args, kwargs, n, self.grain, caller) for args, kwargs in batches]
+            m = sum(k for k, _ in cuts)
             if _power_of_two(m):  # else refused below, on every rank alike
-                summed, spec, auxes = self._grains(local, cut, m, rank, step, has_aux)
+                summed, spec, values = self._grains(local, cuts, m, rank, step, weight)
         except BaseException as err:  # announced to the peers before it propagates
             error = err
         sizes = [t.numel() for t in summed[:-1] if isinstance(t, torch.Tensor)]
@@ -206,10 +217,15 @@ class Grains:
             )
         *grads, loss = summed
         reduce = _scattered if self.shard else _reduced
-        grads = reduce(grads, rank, world, group, m * world, op, caller)
+        if weight is None:
+            grads = reduce(grads, rank, world, group, m * world, op, caller)
+        else:  # the weights' sum rides as the last leaf (float64), reduced in the same tree
+            *grads, total = reduce(grads, rank, world, group, None, "sum", caller)
+            grads = _divided(grads, float(total))
         value = loss / m  # this rank's mean of its grains' values, not reduced
         out = optree.tree_unflatten(spec, grads)
-        return out, ((value, auxes) if has_aux else value)
+        whole = (value, [v[1] for v in values]) if has_aux else value
+        return out, whole, _per_batch(values, cuts, has_aux)
 
     def _refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int) -> int:
         """What the mode cannot run, raised before anything runs; the differentiated argument's
@@ -237,31 +253,75 @@ class Grains:
     def _grains(
         self,
         local: Callable[..., tuple[Any, Any]],
-        cut: Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]],
+        cuts: list[tuple[int, Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]]],
         m: int,
         rank: int,
         step: int,
-        has_aux: bool,
+        weight: Callable[..., Any] | None,
     ) -> tuple[list[Any], Any, list[Any]]:
-        """The rank's ``m`` grains, each alone, summed by the binary counter (value last)."""
+        """The rank's ``m`` grains, each alone, summed by the binary counter (value last; with
+        ``weight``, each gradient times its grain's weight, and the weight before the value);
+        each grain's value (``(value, aux)`` with ``has_aux``)."""
         spec: Any = None
-        auxes: list[Any] = []
+        values: list[Any] = []
+        has_aux = self.has_aux
 
         def parts() -> Iterator[list[Any]]:
             nonlocal spec
-            for i in range(m):
-                args, kwargs = cut(i)
-                with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs):
-                    grads, value = local(*args, **kwargs)
-                if has_aux:
-                    value, aux = value
-                    auxes.append(aux)
-                leaves, spec = flatten_in_order(grads)
-                _refuse_sparse(leaves, spec, self.caller)
-                yield [*leaves, value.detach()]
+            i = 0
+            for count, cut in cuts:
+                for j in range(count):
+                    args, kwargs = cut(j)
+                    with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs):
+                        grads, value = local(*args, **kwargs)
+                    i += 1
+                    values.append((value[0].detach(), value[1]) if has_aux else value.detach())
+                    if has_aux:
+                        value = value[0]
+                    leaves, spec = flatten_in_order(grads)
+                    _refuse_sparse(leaves, spec, self.caller)
+                    if weight is None:
+                        yield [*leaves, value.detach()]
+                        continue
+                    w = weight_value(self.caller, weight(*args, **kwargs), "weight(*grain)")
+                    yield [
+                        *_scaled(leaves, w),
+                        torch.tensor(w, dtype=torch.float64),
+                        value.detach(),
+                    ]
 
-        summed = tree_sum(parts())
-        return summed, spec, auxes
+        return tree_sum(parts()), spec, values
+
+
+def _scaled(leaves: list[Any], w: float) -> list[Any]:
+    """Each tensor leaf times ``w`` (a grain's weight), the others as they are."""
+    k = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+    out = list(leaves)
+    for i, t in zip(k, torch._foreach_mul([leaves[i] for i in k], w)):
+        out[i] = t
+    return out
+
+
+def _divided(leaves: list[Any], total: float) -> list[Any]:
+    """The weighted mean: the sums over the weights' sum (zeros where every weight is 0)."""
+    return [
+        (t / total if total else torch.zeros_like(t))
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+        else t
+        for t in leaves
+    ]
+
+
+def _per_batch(values: list[Any], cuts: list[tuple[int, Any]], has_aux: bool) -> list[Any]:
+    """Each batch's mean of its grains' values (with ``has_aux``: and its grains' auxes)."""
+    out, i = [], 0
+    for count, _ in cuts:
+        mine = values[i : i + count]
+        i += count
+        losses = [v[0] for v in mine] if has_aux else mine
+        mean = torch.stack(losses).sum() / count
+        out.append((mean, [v[1] for v in mine]) if has_aux else mean)
+    return out
 
 
 def _power_of_two(n: int) -> bool:
@@ -385,7 +445,7 @@ def _agree(
 
 
 def _reduced(
-    leaves: list[Any], rank: int, world: int, group: Any, total: int, op: str, caller: str
+    leaves: list[Any], rank: int, world: int, group: Any, total: int | None, op: str, caller: str
 ) -> list[Any]:
     """The leaves summed over the ranks (one flat buffer per dtype and device, ``_pack``'s:
     each leaf in its memory order, channels_last kept; unpadded, so that the bytes sent are a
@@ -401,7 +461,7 @@ def _reduced(
             flat = flat.clone()  # pack gives one tensor's own storage as its buffer
         if world > 1:
             halving_doubling(flat, rank, world, group, caller)
-        if op == "mean" and (flat.is_floating_point() or flat.is_complex()):
+        if op == "mean" and total and (flat.is_floating_point() or flat.is_complex()):
             flat.div_(total)
         for k, view in zip(ks, unpack(flat, layout)):
             out[k] = view
@@ -461,7 +521,7 @@ def bitrev(r: int, world: int) -> int:
 
 
 def _scattered(
-    leaves: list[Any], rank: int, world: int, group: Any, total: int, op: str, caller: str
+    leaves: list[Any], rank: int, world: int, group: Any, total: int | None, op: str, caller: str
 ) -> list[Any]:
     """ZeRO-2's reduction: this rank's rows of each leaf summed over the ranks (``fr.shard``'s
     rows: ``ceil(d0 / W)`` a rank), by recursive halving alone, each element in the order
@@ -500,7 +560,7 @@ def _scattered(
             assert kept == (at, at + size), "halving keeps this rank's block"
         mine = flat[at : at + size].clone()
         del flat
-        if op == "mean" and (mine.is_floating_point() or mine.is_complex()):
+        if op == "mean" and total and (mine.is_floating_point() or mine.is_complex()):
             mine.div_(total)
         for k, c, t, view in zip(ks, rows, ts, unpack(mine, layout)):
             out[k] = view[: max(0, min(c, t.shape[0] - rank * c))]

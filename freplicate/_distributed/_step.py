@@ -107,7 +107,7 @@ class Step:
         #: the reproducible mode's own part (``_reproducible``), or ``None``: the default
         self.grains: Grains | None = None
         if grain is not None:
-            refuse(_CALLER, grain, seed, weight=weight, mp_policy=mp_policy, compress=compress)
+            refuse(_CALLER, grain, seed, mp_policy=mp_policy, compress=compress)
             self.grains = Grains(
                 grain, seed, _CALLER, op=op, argnums=argnums, has_aux=has_aux, shard=shard
             )
@@ -122,11 +122,8 @@ class Step:
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
         world = world_size(self.group, _CALLER)
         if self.grains is not None:
-            n = _position(self.argnums, args)
-            return self.grains(
-                self.local, args, kwargs, group=self.group, world=world,
-                checksums=None if n is None else self._checksums(args[n]),
-            )  # fmt: skip
+            grads, value, _ = self._grained(args, [(args, kwargs)], world)
+            return grads, value
         if world <= 1:
             return self.local(*args, **kwargs)
         if _ruled(args, kwargs):  # transformed, or a graph to keep: local, then the rules
@@ -223,9 +220,10 @@ class Step:
             ValueError: the iterable yields fewer micro-batches than ``count``
                 (on every rank); ``count`` negative.
         """
-        self._refuse_grains("accumulate")
         known = _count(micro_batches, count)
         world = world_size(self.group, _CALLER)
+        if self.grains is not None:
+            return self._accumulated_grains(tree, micro_batches, known, world)
         if world <= 1:
             return self._accumulated_here(tree, micro_batches, known)
         with Announced(self.group, world, _CALLER):  # decided by the tree and the first batch
@@ -389,6 +387,37 @@ class Step:
         return reduced, value
 
     # --- what every way of calling shares ---------------------------------------------------
+
+    def _accumulated_grains(
+        self, tree: Any, micro_batches: Iterable[Any], known: int | None, world: int
+    ) -> tuple[Any, list[Any]]:
+        """``accumulate`` in the reproducible mode: every micro-batch drawn first, their grains
+        one block of the step's (as one call on the micro-batches' rows concatenated)."""
+        batches: list[Any] = [
+            (_micro_args(self.argnums, tree, b), {}) for b in _draw(micro_batches, known)
+        ]
+        if known is not None and len(batches) < known:
+            raise ValueError(
+                f"{_CALLER}: accumulate's micro_batches yielded {len(batches)} "
+                f"micro-batch(es), count={known}"
+            )
+        if not batches:
+            raise ValueError(
+                f"{_CALLER}: accumulate with grain= needs at least one micro-batch (a rank "
+                "without a batch has no grains, and every rank must hold as many)"
+            )
+        grads, _, values = self._grained(batches[0][0], batches, world)
+        return grads, values
+
+    def _grained(
+        self, args: tuple[Any, ...], batches: list[Any], world: int
+    ) -> tuple[Any, Any, list[Any]]:
+        """The reproducible mode (``_reproducible.Grains``) on these batches' grains."""
+        n = _position(self.argnums, args)
+        return self.grains(  # type: ignore[misc]
+            self.local, batches, group=self.group, world=world, weight=self.weight,
+            checksums=None if n is None else self._checksums(args[n]),
+        )  # fmt: skip
 
     def _refuse_grains(self, method: str) -> None:
         if self.grains is not None:
@@ -739,9 +768,13 @@ def grad_and_value(
     counts the calls (set it when resuming a job at a step). With ``shard``
     (ZeRO-2), each rank gets its rows of that sum by recursive halving alone
     (a ring reduce-scatter's bytes): ``fr.distributed.shard`` of the
-    all-reduced gradients, bit for bit. Not (yet) with ``weight``,
-    ``compress``, ``mp_policy``, ``skip``, ``accumulate``, ``torch.compile``,
-    ``torch.func`` transforms or graph-carrying inputs:
+    all-reduced gradients, bit for bit. With ``weight``, each grain's
+    gradient is multiplied by ``weight(*grain_args)`` and the mean divides
+    by the weights' sum, summed in the same tree. ``g.accumulate(tree,
+    micro_batches)`` draws every micro-batch first and takes their grains
+    as one block: the result is the call's on the micro-batches' rows
+    concatenated. Not (yet) with ``compress``, ``mp_policy``, ``skip``,
+    ``torch.compile``, ``torch.func`` transforms or graph-carrying inputs:
     ``NotImplementedError`` naming them.
 
     ``g.skip(*args)``: a rank without a batch (its data ran out, see

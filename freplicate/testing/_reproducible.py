@@ -43,6 +43,7 @@ def check_reproducible(
     loss: Callable[[Any], torch.Tensor] | None = None,
     shard: bool = False,
     seed: int = 0,
+    weight: Callable[..., Any] | None = None,
 ) -> None:
     """Assert that ``steps`` reproducible steps on each world size give this process's bits.
 
@@ -78,6 +79,8 @@ def check_reproducible(
             by a fixed random number, summed.
         shard: ZeRO-2 (``grad_and_value``'s ``shard``).
         seed: ``grad_and_value``'s ``seed``.
+        weight: ``grad_and_value``'s ``weight``, a function of a grain's
+            arguments ``(params, *args, **kwargs)``; importable by the ranks.
 
     Raises:
         AssertionError: a rank differs; the message names the world size,
@@ -112,7 +115,7 @@ def check_reproducible(
         )
     _arguments(inputs)
     setup: dict[str, Any] = {"grain": grain, "seed": seed, "shard": bool(shard), "steps": steps}
-    setup.update(lr=float(lr), loss=loss)
+    setup.update(lr=float(lr), loss=loss, weight=weight)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels' reduction orders
     try:
@@ -164,7 +167,7 @@ def _train(
         return value
 
     step = fr.distributed.grad_and_value(
-        fn, grain=setup["grain"], seed=setup["seed"], shard=setup["shard"]
+        fn, grain=setup["grain"], seed=setup["seed"], shard=setup["shard"], weight=setup["weight"]
     )
     mine = _rows(args, kwargs, rank, world)
     history = []
