@@ -986,3 +986,23 @@ def zero2_methods_compiled(rank: int) -> dict[str, Any]:
         name: (torch.compile(f, backend="eager", fullgraph=True)(*args), f(*args))
         for name, (f, args) in calls.items()
     }
+
+
+def _gather_moments(shards: dict[str, torch.Tensor], like: dict[str, torch.Tensor]) -> Any:
+    return fr.distributed.all_gather(shards, like)
+
+
+@scenario
+def tied_like(rank: int) -> dict[str, Any]:
+    """``all_gather`` of distinct shards into a ``like`` that holds one tensor at two paths
+    (moments made from one zeros tree): each path its own rows, eager and compiled; a
+    non-tensor leaf comes back as the shards hold it (as without a group), not as like's."""
+    zeros = torch.zeros(5, 3)
+    like = {"m": zeros, "v": zeros, "w": torch.zeros(2), "count": 0}
+    full = {"m": torch.randn(5, 3), "v": torch.randn(5, 3) + 10, "w": torch.randn(2)}
+    full = {**fr.distributed.broadcast(full), "count": 7}  # a step count: the shards' comes back
+    shards = {k: t.clone() for k, t in fr.distributed.shard(full).items() if k != "count"}
+    shards["count"] = 7
+    torch._dynamo.reset()
+    compiled = torch.compile(_gather_moments, backend="eager", fullgraph=True)(shards, like)
+    return {"full": full, "eager": _gather_moments(shards, like), "compiled": compiled}

@@ -58,8 +58,16 @@ SCENARIOS = [
     "zero2_compiled",
     "compiled_new_shapes",
     "zero2_methods_compiled",
+    "tied_like",
 ]
-THREE = ["primitives", "large_all_gather", "mismatches", "zero2_grads", "clip_against_torch", "adamw_loops"]
+THREE = [
+    "primitives",
+    "large_all_gather",
+    "mismatches",
+    "zero2_grads",
+    "clip_against_torch",
+    "adamw_loops",
+]
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +147,16 @@ def test_shard_keeps_a_tied_leaf_one_tensor(job):
     # the issue: "tied leaves sharded once"; reduce_scatter and all_gather keep the tie
     for r in ok(job, "primitives"):
         assert r["mean"]["shard_tied"]
+
+
+def test_all_gather_follows_the_shards_ties_not_likes(job):
+    # like's values are never read: a tie in it (moments made from one zeros tree) gave the
+    # first path's rows at both paths, silently; each path gets its own rows now. And a step
+    # count in the tree came back as like's (0) on 2 ranks, as the shards' (7) on one
+    for r in ok(job, "tied_like"):
+        for way in ("eager", "compiled"):
+            bitwise(r[way], r["full"])
+            assert r[way]["m"] is not r[way]["v"], way
 
 
 def test_three_ranks_pad_and_hold_nothing(job3):

@@ -216,7 +216,9 @@ def collect(
                 request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
                 call = scope.call = Call(request)
                 send = send_of(request, weight=weight)
-                results = run(call, plan, tensors, replaced(send, scale=None) if presummed else send)
+                results = run(
+                    call, plan, tensors, replaced(send, scale=None) if presummed else send
+                )
             return plan.rebuild(leaves, results)
     # through the rules: the tensors' own calls, announced there (not twice)
     paths = tuple(plan.layout.description[0][i] for i in plan.layout.unique)
@@ -494,6 +496,7 @@ def all_gather(
 
 def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> TensorTree:
     """``all_gather`` over ``spec.world`` > 1 ranks (its ``op``: its transpose's)."""
+    like = _tied_as(like, shards)
     with Announced(spec.group, spec.world, spec.caller) as scope:
         plan, leaves = plan_of(
             like, spec.options, spec.group, spec.world, spec.caller, check=spec.check
@@ -505,7 +508,9 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
         if not is_compiling() and not debugging():
             early = scope.call = Call(request)
             early.begin()
-        mine = _shard_leaves(shards, like, plan, leaves, rank, spec.world, spec.caller)
+        # (the shards' leaves: a non-tensor leaf, a step count, comes back as the shards hold it,
+        # as without a group, not as like's)
+        mine, leaves = _shard_leaves(shards, like, plan, leaves, rank, spec.world, spec.caller)
         scope.call = None
         if not needs_rules(mine, spec.caller):
             layout = plan.layout
@@ -524,6 +529,38 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
     return plan.rebuild(leaves, apply(replaced(spec, paths=paths, like=full), mine))
 
 
+def _tied_as(like: TensorTree, shards: TensorTree) -> TensorTree:
+    """``like`` with the shards' ties, not its own: its values are never read, so one tensor at
+    two of its paths (moments made from one ``zeros`` tree) says nothing of the data, and
+    gathering it once would give the first path's rows at both. Where ``like`` ties nothing
+    (the common case, decided at C speed eagerly) it is returned as is."""
+    compiling = is_compiling()
+    values = None if compiling else tensor_values(like)
+    if values is not None and len(set(map(id, values))) == len(values):
+        return like
+    leaves, spec = flatten_in_order(like)
+    unique, _ = alias_groups(leaves)
+    if len(unique) == sum(isinstance(t, torch.Tensor) for t in leaves):
+        return like
+    theirs, their_spec = flatten_in_order(shards)
+    if their_spec != spec:
+        return like  # the structure's error is raised where the shards are read, naming it
+    _, slot = alias_groups(theirs)
+    made: dict[Any, torch.Tensor] = {}
+    used: dict[Any, bool] = {}  # like's tensors given out once (keys: as alias_groups keys)
+    out = list(leaves)
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            continue
+        key = slot[i] if slot[i] >= 0 else -1 - i
+        if key not in made:
+            mine = t if compiling else id(t)
+            made[key] = t.view_as(t) if mine in used else t  # a view: another tensor object
+            used[mine] = True
+        out[i] = made[key]
+    return optree.tree_unflatten(spec, out)
+
+
 def _shard_leaves(
     shards: TensorTree,
     like: TensorTree,
@@ -532,9 +569,11 @@ def _shard_leaves(
     rank: int,
     world: int,
     caller: str,
-) -> list[torch.Tensor]:
-    """``shards``' tensors, one per tensor of ``like``'s layout, checked against their rows."""
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """``shards``' tensors, one per tensor of ``like``'s layout, checked against their rows;
+    and the shards' leaves."""
     values = tensor_values(shards)
+    got: list[Any]
     if values is not None and plan.keys is not None and tuple(shards) == plan.keys:
         got = values
     else:
@@ -558,4 +597,4 @@ def _shard_leaves(
                 f"of like's leaf (shape {want}, dtype {dtype}: rank {rank} of {world}), got "
                 f"{describe(t)}"
             )
-    return tensors
+    return tensors, got
