@@ -46,8 +46,10 @@ and rank ``r`` of ``W`` takes its rows ``[r*B/W, (r+1)*B/W)``; each grain of
 grains' gradients are summed in one fixed tree. On 1, 2, 4, ... processes
 with the same threads each (``OMP_NUM_THREADS=1``: torchrun sets it only
 for more than one process), the run ends with the same bits: compare the
-sha256 the run prints last. It takes ``--accumulate 1`` and neither ``--ddp``,
-``--zero`` nor ``--compile``; a checkpoint resumes on any power of two of ranks:
+sha256 the run prints last. It takes ``--accumulate 1``, ``--zero 1`` or ``2``
+(ZeRO-2's rows clipped by rows, ``clip_grad_norm(reproducible=True)``), and
+neither ``--ddp``, ``--zero 3`` nor ``--compile``; a checkpoint resumes on any
+power of two of ranks:
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 \\
         --master-port 29533 examples/gpt_train.py --grain 4 --batch-size 32 --accumulate 1
@@ -168,9 +170,9 @@ class Config:
             raise ValueError(f"--grain must be a number of sequences >= 1, got {self.grain}")
         refused = {
             "--ddp": self.ddp,  # DDP sums in its own order: nothing to compare bits with
-            # ZeRO-2's clipping norm joins the ranks' rows, cut by the world size; ZeRO-3's
-            # gradient is apply_sharded's, not a grain= step's; ZeRO-1's state is rows
-            f"--zero {self.zero}": self.zero,
+            # ZeRO-3's gradient is apply_sharded's, not a grain= step's (ZeRO-1 and 2 run:
+            # ZeRO-2's rows clipped by fr.distributed.clip_grad_norm(reproducible=True))
+            f"--zero {self.zero}": self.zero == 3,
             "--compile": self.compile,  # grain= runs eagerly only
             # grain='s accumulate() takes a rank's block of the step's grains: this example's
             # micro-batches are each a global batch cut across the ranks, another order
@@ -391,7 +393,10 @@ class Functional:
         else:
             grads, losses = self.grad.accumulate(self.params, micro, count=k)
         if self.zero >= 2:  # this rank's rows: the norm of the full gradient, from every rank's
-            grads, norm = fr.distributed.clip_grad_norm(grads, self.config.clip)
+            # (with --grain by rows, in one order: the same bits on every world size)
+            grads, norm = fr.distributed.clip_grad_norm(
+                grads, self.config.clip, reproducible=bool(self.config.grain)
+            )
         else:  # the full gradient: clip_grad_norm_'s, bit for bit
             grads, norm = fr.clip_grad_norm(grads, self.config.clip)
             if self.zero == 1:
@@ -441,13 +446,20 @@ class Functional:
         # does not know; a fresh init gives back their structure
         return optree.tree_leaves(self.opt_state, namespace="torchopt")
 
+    def full_optimizer_state(self) -> Any:
+        """The optimizer state's leaves, whole (``--zero``: every rank's rows all-gathered)."""
+        if not self.zero:
+            return self.optimizer_state()
+        like = {k: torch.empty_like(p, device="cpu") for k, p in self.like.items()}
+        return fr.distributed.all_gather(self.optimizer_state(), self._leaves(self.init(like)))
+
     def load(self, checkpoint: dict[str, Any]) -> None:
         if self.zero:
             self.load_sharded(checkpoint["path"])
-            return
-        self.params = self.mine = dict(checkpoint["params"])
-        like = optree.tree_structure(self.init(self.params), namespace="torchopt")
-        self.opt_state = optree.tree_unflatten(like, checkpoint["optimizer"])
+        else:
+            self.params = self.mine = dict(checkpoint["params"])
+            like = optree.tree_structure(self.init(self.params), namespace="torchopt")
+            self.opt_state = optree.tree_unflatten(like, checkpoint["optimizer"])
         if self.config.grain:  # the dropout masks of the steps the checkpoint had not run
             self.grad.grains.step = checkpoint["step"]
 
@@ -722,7 +734,8 @@ def train(config: Config, log: Callable[[str], None] | None = print) -> dict[str
     history["sample"] = sample(config, side, data) if config.sample_chars else ""
     say(f"sample:\n{history['sample']}")
     history["params"] = {k: p.detach().clone() for k, p in side.parameters().items()}
-    history["optimizer"] = side.optimizer_state()
+    full = getattr(side, "full_optimizer_state", side.optimizer_state)
+    history["optimizer"] = full()  # with --zero: gathered (a collective), the same on every rank
     if rank == 0:
         say(f"sha256 of the parameters and the optimizer state: {fingerprint(history)}")
     return history
@@ -733,7 +746,7 @@ def fingerprint(history: dict[str, Any]) -> str:
 
     Two runs print the same exactly when their parameters and optimizer
     states are the same bits (``--grain`` on 1, 2 and 4 ranks, for one).
-    With ``--zero``, the optimizer state is rank 0's rows of it.
+    With ``--zero``, the optimizer state is gathered whole from every rank's rows.
     """
     leaves, spec = optree.tree_flatten(
         (history["params"], history["optimizer"]), namespace="torchopt"

@@ -91,9 +91,9 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
         out, _ = fr.apply(net, fr.State(p, {}), x)
         return F.cross_entropy(out, y)
 
-    zero2 = mode == "zero2"
+    zero2 = mode in ("zero2", "zero2_clip")
     grained: dict[str, Any] = {}
-    if mode in ("grain", "zero2", "accumulate"):
+    if mode in ("grain", "zero2", "zero2_clip", "accumulate"):
         grained = {"grain": GRAIN, "seed": SEED}
     if mode == "accumulate":  # each grain weighted by its samples of the first 4 classes
         grained["weight"] = _counted
@@ -110,6 +110,9 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
             grads, _ = step.accumulate(params, [(x[:cut], y[:cut]), (x[cut:], y[cut:])])
         else:
             grads, _ = step(params, x, y)
+        if mode == "zero2_clip":  # the rows' norm by rows: the same bits on every world size
+            grads, norm = fr.distributed.clip_grad_norm(grads, CLIP, reproducible=REPRODUCIBLE_CLIP)
+            assert float(norm) > CLIP  # it clips
         mine, state = adamw(mine, grads, state, t)
         params = fr.distributed.all_gather(mine, params) if zero2 else mine
     if zero2:
@@ -121,7 +124,9 @@ def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
     return train(mode, rank, dist.get_world_size())
 
 
-MODES = ("grain", "default", "eval", "zero2", "accumulate")
+MODES = ("grain", "default", "eval", "zero2", "accumulate", "zero2_clip")
+CLIP = 0.05  # below every step's norm
+REPRODUCIBLE_CLIP = True
 
 
 def _counted(p: Any, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -288,3 +293,25 @@ def resumed(path: str, save_after: int | None) -> dict[str, Any]:
         fr.distributed.save_sharded(path, tree, like)
     gathered = {s: fr.distributed.all_gather(state[s], params) for s in ("m", "v")}
     return {"params": params, "state": gathered}
+
+
+def clip_norms(rank: int = 0, world: int = 1) -> dict[str, list[torch.Tensor]]:
+    """The total norm of 24 random gradients (this rank's rows) by both ways of
+    ``fr.distributed.clip_grad_norm``, for p = 2, 1, 3, inf and 0."""
+    g = torch.Generator().manual_seed(11)
+    full = {f"t{i}": torch.randn(37 + i, 129, generator=g) * 10.0 ** (i % 5 - 2) for i in range(24)}
+    full["s"] = torch.tensor(0.5)
+    rows = fr.distributed.shard(full) if world > 1 else full
+    out: dict[str, list[torch.Tensor]] = {"default": [], "reproducible": []}
+    for p in (2.0, 1.0, 3.0, float("inf"), 0.0):
+        for way in out:
+            _, norm = fr.distributed.clip_grad_norm(
+                rows, 1.0, norm_type=p, reproducible=way == "reproducible"
+            )
+            out[way].append(norm)
+    return out
+
+
+@scenario
+def norms(rank: int) -> dict[str, list[torch.Tensor]]:
+    return clip_norms(rank, dist.get_world_size())

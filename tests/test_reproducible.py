@@ -46,7 +46,13 @@ def jobs() -> dict[int, dict[str, list[Any]]]:
     names = [f"train_{m}" for m in rw.MODES]
     return {
         world: rw.spawn(
-            [*names, "sent", "odd_sizes", *(["refusals", "subgroup"] if world == 4 else [])],
+            [
+                *names,
+                "sent",
+                "odd_sizes",
+                "norms",
+                *(["refusals", "subgroup"] if world == 4 else []),
+            ],
             world=world,
             pg_timeout=30.0,
             deadline=120.0,
@@ -101,6 +107,27 @@ def test_a_checkpoint_written_on_4_ranks_resumes_on_2_and_on_1_with_the_same_bit
         with fr.testing.RankPool(world, timeout=30.0, deadline=90.0) as pool:
             for rank, result in enumerate(pool.run(rw.resumed, path, None)):
                 assert equal(result, here["grain"]), f"resumed on {world} ranks: rank {rank}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_zero2_clipped_by_rows_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
+    # fr.distributed.clip_grad_norm(reproducible=True) on the rows: each row's contribution
+    # gathered and combined in row order, so the total norm does not follow the world size
+    assert not equal(here["zero2_clip"], here["zero2"])  # it clips
+    for world in WORLDS:
+        for rank, result in enumerate(w.ok(jobs[world], "train_zero2_clip")):
+            assert equal(result, here["zero2_clip"]), f"clipped rows: rank {rank} of {world}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_the_clipping_norm_by_rows_is_the_same_bits_on_1_2_and_4_ranks(jobs, one_thread):
+    here = rw.clip_norms()
+    differ = 0
+    for world in WORLDS:
+        for rank, got in enumerate(w.ok(jobs[world], "norms")):
+            assert all(map(torch.equal, got["reproducible"], here["reproducible"])), (world, rank)
+            differ += not all(map(torch.equal, got["default"], here["default"]))
+    assert differ, "the default way of summing the rows' parts should follow the world size"
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")

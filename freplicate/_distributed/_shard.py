@@ -42,7 +42,7 @@ from .._clip import (
 )
 from .._typing import T
 from ._collectives import all_gather
-from ._group import world_size
+from ._group import collective, comm_device, world_size
 
 __all__ = ["clip_grad_norm"]
 
@@ -56,7 +56,12 @@ _REAL = {
 
 
 def clip_grad_norm(
-    shards: T, max_norm: float, *, norm_type: float = 2.0, group: Any = None
+    shards: T,
+    max_norm: float,
+    *,
+    norm_type: float = 2.0,
+    group: Any = None,
+    reproducible: bool = False,
 ) -> tuple[T, torch.Tensor]:
     """Clip sharded gradients to the global norm of the full gradient, as ``clip_grad_norm_``.
 
@@ -95,6 +100,15 @@ def clip_grad_norm(
 
     With one rank, or without a process group, it is ``fr.clip_grad_norm``,
     bit for bit. A tree without tensor leaves costs no collective.
+
+    ``reproducible=True`` makes the total norm the same bits on every world
+    size (and without a group), for the rows of
+    ``grad_and_value(..., grain=, shard=True)``: each row of each gradient
+    contributes its own sum of ``|x|^p`` (float64; a row is whole on every
+    world size), one all-gather gives every rank every row's (as many
+    numbers as the gradients have rows), and each tensor's rows are combined
+    in row order, then rounded and stacked as above. It is not torch's sum
+    order, so not ``clip_grad_norm_``'s last bits.
     Where ``clip_grad_norm_`` raises on an empty gradient (``norm_type``
     infinite or negative), a gradient with no element counts for nothing
     here: a rank cannot tell an empty shard from an empty gradient.
@@ -110,6 +124,7 @@ def clip_grad_norm(
         norm_type: ``p`` of the p-norm: ``2.0``, ``1``, ``float("inf")`` or
             any other value torch takes.
         group: the process group (default: the default group).
+        reproducible: the norm by rows, the same bits on any world size.
 
     Returns:
         ``(clipped, total_norm)``: the scaled shards, a new tree, and the
@@ -126,12 +141,18 @@ def clip_grad_norm(
     p = _norm_type(_CALLER, norm_type)
     leaves, _, at = _gradients(shards, _CALLER)  # every rank checks alike, before the collective
     world = world_size(group, _CALLER)
+    tensors: list[torch.Tensor] = [leaves[i] for i in at]
+    if reproducible:
+        if not tensors:
+            return shards, torch.tensor(0.0)
+        with torch.no_grad():
+            total = _by_rows(tensors, p, group, world)
+        return clip_with_norm(shards, limit, total, caller=_CALLER), total
     if world <= 1:
         pieces = norm_pieces(shards, p, caller=_CALLER)
         with torch.no_grad():
             total = torch.linalg.vector_norm(pieces, p) if pieces.numel() else torch.tensor(0.0)
         return clip_with_norm(shards, limit, total, caller=_CALLER), total
-    tensors: list[torch.Tensor] = [leaves[i] for i in at]
     if not tensors:
         return shards, torch.tensor(0.0)
     with torch.no_grad():
@@ -149,6 +170,62 @@ def clip_grad_norm(
             ) from err
         total = _total(everyone, tensors, p)
     return clip_with_norm(shards, limit, total, caller=_CALLER), total
+
+
+def _by_rows(tensors: list[torch.Tensor], p: float, group: Any, world: int) -> torch.Tensor:
+    """The total norm from every row's contribution, gathered, combined in row order.
+
+    A row (``t[i]``, whole on every world size) contributes the float64 sum
+    of ``|x|^p`` (its max, min or non-zero count for ``p = +-inf, 0``); the
+    rows of this rank are ``fr.distributed.shard``'s, so ``all_gather`` of
+    the contribution vectors (``like``: one number per row of the full
+    tensor) gives every rank every row's, in row order, and the same
+    reduction over the same vector gives the same bits everywhere.
+    """
+    device = tensors[0].device
+    rows = {f"{k}": _row_contributions(t, p) for k, t in enumerate(tensors) if t.dim()}
+    if world > 1 and rows:
+        counts = _full_rows([tensors[int(k)] for k in rows], group)
+        full = {k: v.new_empty(n) for (k, v), n in zip(rows.items(), counts)}
+        rows = all_gather(rows, full, group=group)
+    per = []
+    for k, t in enumerate(tensors):
+        c = rows[f"{k}"] if t.dim() else _row_contributions(t.reshape(1, *t.shape), p)
+        per.append(_combined(c.to(device).unsqueeze(1), p)[0])
+    norms, dtype = torch.stack(per), _norm_dtype(tensors)
+    stacked = [
+        norms[idx].to(_REAL.get(g[0].dtype, g[0].dtype)).to(dtype) for g, idx in _groups(tensors)
+    ]
+    return torch.linalg.vector_norm(torch.cat(stacked), p)
+
+
+def _row_contributions(t: torch.Tensor, p: float) -> torch.Tensor:
+    """Per row of ``t`` (dim >= 1), what it adds to ``t``'s norm, in float64."""
+    x = (
+        t.detach()
+        .reshape(t.shape[0], -1)
+        .to(torch.complex128 if t.is_complex() else torch.float64)
+        .abs()
+    )
+    if x.shape[1] == 0:
+        return torch.full((t.shape[0],), _neutral(p), dtype=torch.float64, device=t.device)
+    if p == math.inf:
+        return x.amax(1)
+    if p == -math.inf:
+        return x.amin(1)
+    if p == 0:
+        return (x != 0).sum(1).to(torch.float64)
+    return x.pow(p).sum(1)
+
+
+def _full_rows(shards: list[torch.Tensor], group: Any) -> list[int]:
+    """The full tensors' rows from this rank's (``fr.distributed.shard``'s split cannot tell
+    them on the last ranks): one all-reduce of every rank's row counts."""
+    counts = torch.tensor([t.shape[0] for t in shards], dtype=torch.int64)
+    counts = counts.to(comm_device(group))
+    with collective(_CALLER):
+        dist.all_reduce(counts, group=group)
+    return [int(n) for n in counts.tolist()]
 
 
 def _neutral(p: float) -> float:
