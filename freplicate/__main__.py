@@ -9,9 +9,11 @@ from pathlib import Path
 from typing import NoReturn
 
 # benchmarks/bench_<name>.py
-BENCHMARKS = ("core", "parallel", "distributed", "import", "compile", "example", "shard")
-# compile, example and shard take minutes (of compiling; shard also spawns ranks for memory
-# figures): run them by name
+BENCHMARKS = (
+    "core", "parallel", "distributed", "import", "compile", "example", "shard", "reproducible",
+)  # fmt: skip
+# compile, example, shard and reproducible take minutes (of compiling; shard also spawns ranks
+# for memory figures, reproducible 2 and then 4 ranks): run them by name
 DEFAULT = ("core", "parallel", "distributed", "import")
 
 
