@@ -175,7 +175,7 @@ def test_an_unknown_benchmark_is_a_one_line_error(capsys: pytest.CaptureFixture[
     assert captured.out == ""
     assert captured.err.splitlines() == [
         "freplicate bench: error: unknown benchmark 'nonesuch'; "
-        "choose from core, parallel, distributed, import, compile, example, shard"
+        "choose from core, parallel, distributed, import, compile, example, shard, reproducible"
     ]
 
 
