@@ -500,7 +500,9 @@ def halving(
         theirs = torch.empty(keep[1] - keep[0], dtype=flat.dtype, device=flat.device)
         exchange(flat[give[0] : give[1]], theirs, peer, group, caller)
         mine = flat[keep[0] : keep[1]]
-        mine.copy_(mine + theirs if low else theirs + mine)
+        # in place, the lower ranks' partial still the left operand (no temporary, no copy)
+        left, right = (mine, theirs) if low else (theirs, mine)
+        torch.add(left, right, out=mine)
         segments.append((give, (lo, hi)))
         lo, hi = keep
         level += 1
