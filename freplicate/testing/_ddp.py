@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 import freplicate as fr
 
 from ._assertions import assert_trees_close, check_tolerances
-from ._oracle import _arguments as _oracle_arguments
-from ._oracle import _loss as _weighted_loss
+from ._oracle import arguments_of as _oracle_arguments
+from ._oracle import weighted_loss as _weighted_loss
 from ._pool import RankPool
 
 __all__ = ["check_against_ddp"]

@@ -84,7 +84,7 @@ def check_against_stateful(
     >>> check_against_stateful(model, (torch.randn(6, 3),), ["cpu", "cpu", "cpu"])
     """
     check_tolerances(rtol, atol, "check_against_stateful")
-    args, kwargs = _arguments(inputs)
+    args, kwargs = arguments_of(inputs)
     if buffers not in ("first", "mean"):
         raise ValueError(
             f"check_against_stateful: buffers must be 'first' or 'mean', got {buffers!r}"
@@ -120,7 +120,7 @@ def _device(spec: Any) -> torch.device:
     return device
 
 
-def _arguments(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def arguments_of(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if isinstance(inputs, torch.Tensor):
         return (inputs,), {}
     if isinstance(inputs, dict):
@@ -162,7 +162,7 @@ def _opened(tree: Any) -> Any:
     return optree.tree_map(open_one, tree)
 
 
-def _loss(out: Any) -> torch.Tensor | None:
+def weighted_loss(out: Any) -> torch.Tensor | None:
     """A fixed random weighting of every floating-point output element, summed."""
     total: torch.Tensor | None = None
     for i, leaf in enumerate(optree.tree_leaves(_opened(out))):
@@ -191,7 +191,7 @@ def _functional(
         module, fr.State(params, s.buffers), *args, devices=devices, buffers=buffers, **kwargs
     )
     wrt = [params[name] for name in params if name in trainable]
-    loss = _loss(out)
+    loss = weighted_loss(out)
     if loss is not None and loss.requires_grad and wrt:
         # .backward() into these fresh leaves, as a training loop does: a reentrant activation
         # checkpoint refuses torch.autograd.grad (in the stateful module too)
@@ -219,7 +219,7 @@ def _stateful(
         replicas = [base]
     else:
         out, replicas = _data_parallel_by_hand(base, args, kwargs, devs)
-    loss = _loss(out)
+    loss = weighted_loss(out)
     if loss is not None and loss.requires_grad:
         loss.backward()
     grads: dict[str, torch.Tensor] = {}

@@ -22,8 +22,8 @@ from torch import nn
 import freplicate as fr
 
 from ._assertions import assert_trees_close
-from ._oracle import _arguments as _oracle_arguments
-from ._oracle import _loss as _weighted_loss
+from ._oracle import arguments_of as _oracle_arguments
+from ._oracle import weighted_loss as _weighted_loss
 from ._pool import RankPool
 
 __all__ = ["check_reproducible"]
