@@ -198,6 +198,9 @@ def refusals(rank: int) -> dict[str, Any]:
         "unsynced": lambda: fr.distributed.grad_and_value(loss_fn, grain=4)(
             {k: v + rank for k, v in params.items()}, torch.randn(8, 16)
         ),
+        "short": lambda: fr.distributed.grad_and_value(loss_fn, grain=4).accumulate(
+            params, iter([(torch.randn(4, 16),)] * (1 if rank == 1 else 2)), count=2
+        ),
         "after": lambda: fr.distributed.grad_and_value(loss_fn, grain=4)(params, torch.ones(8, 16))[
             0
         ],

@@ -207,6 +207,13 @@ def test_refusals_on_four_ranks(jobs):
                 "RuntimeError",
                 "fr.distributed.grad_and_value: rank 1 raised in its grains (see its error)",
             )
+        # accumulate: rank 1 draws 1 micro-batch of count=2, and says so in the call (no timeout)
+        if rank == 1:
+            assert got["short"][:2] == ("raised", "ValueError")
+            assert "yielded 1 micro-batch(es), count=2" in got["short"][2]
+        else:
+            assert got["short"][:2] == ("raised", "RuntimeError")
+            assert "rank 1 raised in its grains" in got["short"][2]
         assert got["after"][0] == "returned"  # the group goes on after every refusal
         fr.testing.assert_trees_close(got["after"][1], results[0]["after"][1], rtol=0, atol=0)
 

@@ -172,6 +172,7 @@ class Grains:
         world: int,
         checksums: Callable[[], list[int]] | None,
         weight: Callable[..., Any] | None = None,
+        failed: BaseException | None = None,
     ) -> tuple[Any, Any, list[Any]]:
         """This rank's grains' gradients, summed with every rank's in the fixed tree; its value
         and each batch's (``(value, [aux of each grain])`` with ``has_aux``).
@@ -180,10 +181,13 @@ class Grains:
         ``accumulate``'s micro-batches: their grains, in order, are this rank's block of the
         step's grains, as if the batches were one. ``weight``: a function of a grain's
         arguments; each grain's gradient is multiplied by its weight, the weights are summed
-        in the same tree, and the mean divides by their sum.
+        in the same tree, and the mean divides by their sum. ``failed``: what went wrong on
+        this rank before its batches were in hand (``accumulate`` drawing them), announced to
+        the peers in this call as a failure of its own code, then raised.
         """
         caller, op, has_aux = self.caller, self.op, self.has_aux
         world = max(world, 1)
+        n = self.argnums
         for args, kwargs in batches:
             n = self._refuse(args, kwargs, world)
         rank = dist.get_rank(group) if world > 1 else 0
@@ -193,7 +197,10 @@ class Grains:
         spec: Any = None
         values: list[Any] = []
         m = 0
+        cuts: list[Any] = []
         try:
+            if failed is not None:
+                raise failed
             cuts = [_cut(args, kwargs, n, self.grain, caller) for args, kwargs in batches]
             m = sum(k for k, _ in cuts)
             if _power_of_two(m):  # else refused below, on every rank alike

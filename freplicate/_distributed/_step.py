@@ -393,20 +393,30 @@ class Step:
     ) -> tuple[Any, list[Any]]:
         """``accumulate`` in the reproducible mode: every micro-batch drawn first, their grains
         one block of the step's (as one call on the micro-batches' rows concatenated)."""
-        batches: list[Any] = [
-            (_micro_args(self.argnums, tree, b), {}) for b in _draw(micro_batches, known)
-        ]
-        if known is not None and len(batches) < known:
-            raise ValueError(
-                f"{_CALLER}: accumulate's micro_batches yielded {len(batches)} "
-                f"micro-batch(es), count={known}"
-            )
-        if not batches:
-            raise ValueError(
-                f"{_CALLER}: accumulate with grain= needs at least one micro-batch (a rank "
-                "without a batch has no grains, and every rank must hold as many)"
-            )
-        grads, _, values = self._grained(batches[0][0], batches, world)
+        batches: list[Any] = []
+        failed: BaseException | None = None
+        try:  # a rank whose micro-batches fail tells its peers in the call, not by a timeout
+            batches = [
+                (_micro_args(self.argnums, tree, b), {}) for b in _draw(micro_batches, known)
+            ]
+            if known is not None and len(batches) < known:
+                raise ValueError(
+                    f"{_CALLER}: accumulate's micro_batches yielded {len(batches)} "
+                    f"micro-batch(es), count={known}"
+                )
+            if not batches:
+                raise ValueError(
+                    f"{_CALLER}: accumulate with grain= needs at least one micro-batch (a rank "
+                    "without a batch has no grains, and every rank must hold as many)"
+                )
+        except Exception as err:
+            failed = err
+        args = batches[0][0] if batches else (tree,)
+        n = _position(self.argnums, args)
+        grads, _, values = self.grains(  # type: ignore[misc]
+            self.local, batches, group=self.group, world=world, weight=self.weight,
+            checksums=None if n is None else self._checksums(args[n]), failed=failed,
+        )  # fmt: skip
         return grads, values
 
     def _grained(
