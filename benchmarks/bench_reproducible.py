@@ -65,8 +65,9 @@ def _steps(shard: bool, grains: tuple[int | None, ...]) -> list[Callable[[], Any
     return out
 
 
-def _sent(step: Callable[[], Any]) -> int:
-    """Bytes this rank sends in one call of ``step`` (the mode's exchanges, counted)."""
+def sent_by(step: Callable[[], Any]) -> int:
+    """Bytes this rank sends in one call of ``step`` (the mode's exchanges, counted; the
+    tests count with it too)."""
     counted = [0]
     exchange = _reproducible.exchange
 
@@ -96,7 +97,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         ring = (1 if shard else 2) * n * (world - 1) // world
         out[f"shard={shard}"] = {
             "rounds": _rounds(sides, args.rounds, args.steps),
-            "sent": [_sent(step) for step in sides[1:]],
+            "sent": [sent_by(step) for step in sides[1:]],
             "ring": ring,
         }
     return out

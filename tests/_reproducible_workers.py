@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import freplicate as fr
-from freplicate._distributed import _reproducible
+from benchmarks.bench_reproducible import sent_by
 
 BATCH = 32  # the global batch: 8 grains of 4, so 8, 4 and 2 grains a rank on 1, 2 and 4 ranks
 GRAIN = 4
@@ -111,7 +111,7 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
         else:
             grads, _ = step(params, x, y)
         if mode == "zero2_clip":  # the rows' norm by rows: the same bits on every world size
-            grads, norm = fr.distributed.clip_grad_norm(grads, CLIP, reproducible=REPRODUCIBLE_CLIP)
+            grads, norm = fr.distributed.clip_grad_norm(grads, CLIP, reproducible=True)
             assert float(norm) > CLIP  # it clips
         mine, state = adamw(mine, grads, state, t)
         params = fr.distributed.all_gather(mine, params) if zero2 else mine
@@ -126,7 +126,6 @@ def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
 
 MODES = ("grain", "default", "eval", "zero2", "accumulate", "zero2_clip")
 CLIP = 0.05  # below every step's norm
-REPRODUCIBLE_CLIP = True
 
 
 def _counted(p: Any, x: torch.Tensor, y: torch.Tensor) -> float:
@@ -140,33 +139,25 @@ for _mode in MODES:  # scenarios "train_grain", "train_default", "train_eval"
 
 @scenario
 def sent(rank: int) -> dict[str, int]:
-    """The bytes this rank sends in one reproducible step, and a ring all-reduce's."""
-    counted = [0]
-    exchange = _reproducible.exchange
+    """The bytes this rank sends in one reproducible step (all-reduced, then ZeRO-2), counted as
+    ``freplicate bench reproducible`` counts them, and a ring all-reduce's."""
+    world = dist.get_world_size()
+    net = model()
+    params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+    n = sum(p.numel() * p.element_size() for p in params.values())
 
-    def counting(send: torch.Tensor, *args: Any) -> None:
-        counted[0] += send.numel() * send.element_size()
-        exchange(send, *args)
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fr.apply(net, fr.State(p, {}), x)[0].square().mean()
 
-    _reproducible.exchange = counting  # type: ignore[assignment]
-    try:
-        world = dist.get_world_size()
-        net = model()
-        params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
-        n = sum(p.numel() * p.element_size() for p in params.values())
+    def step(shard: bool) -> Any:  # (the MLP's rows divide by 4: no padding rows)
+        grad = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, shard=shard)
+        return lambda: grad(params, torch.randn(GRAIN, 16))
 
-        def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            return fr.apply(net, fr.State(p, {}), x)[0].square().mean()
-
-        step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN)
-        step(params, torch.randn(GRAIN, 16))
-        all_reduce, counted[0] = counted[0], 0
-        step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, shard=True)
-        step(params, torch.randn(GRAIN, 16))  # (the MLP's rows divide by 4: no padding rows)
-    finally:
-        _reproducible.exchange = exchange  # type: ignore[assignment]
     ring = n * (world - 1) // world  # a ring reduce-scatter's; an all-reduce's twice that
-    return {"sent": all_reduce, "ring": 2 * ring, "sent_shard": counted[0], "ring_shard": ring}
+    return {
+        "sent": sent_by(step(False)), "ring": 2 * ring,
+        "sent_shard": sent_by(step(True)), "ring_shard": ring,
+    }  # fmt: skip
 
 
 @scenario

@@ -255,11 +255,7 @@ class Step:
                     grads, value = self.local(*args)
                     acc.add(grads, self._weigh(args, {}))
                     values.append(value)
-                if known is not None and len(values) < known:
-                    raise ValueError(
-                        f"{_CALLER}: accumulate's micro_batches yielded {len(values)} "
-                        f"micro-batch(es), count={known}"
-                    )
+                _check_count(len(values), known)
                 if not values:  # no micro-batch on this rank: as skip
                     none = 0.0 if self.weight is not None else None
                     send = Send(sending=False, weight=none)
@@ -399,11 +395,7 @@ class Step:
             batches = [
                 (_micro_args(self.argnums, tree, b), {}) for b in _draw(micro_batches, known)
             ]
-            if known is not None and len(batches) < known:
-                raise ValueError(
-                    f"{_CALLER}: accumulate's micro_batches yielded {len(batches)} "
-                    f"micro-batch(es), count={known}"
-                )
+            _check_count(len(batches), known)
             if not batches:
                 raise ValueError(
                     f"{_CALLER}: accumulate with grain= needs at least one micro-batch (a rank "
@@ -411,22 +403,24 @@ class Step:
                 )
         except Exception as err:
             failed = err
-        args = batches[0][0] if batches else (tree,)
-        n = _position(self.argnums, args)
-        grads, _, values = self.grains(  # type: ignore[misc]
-            self.local, batches, group=self.group, world=world, weight=self.weight,
-            checksums=None if n is None else self._checksums(args[n]), failed=failed,
-        )  # fmt: skip
+        grads, _, values = self._grained(
+            batches[0][0] if batches else (tree,), batches, world, failed
+        )
         return grads, values
 
     def _grained(
-        self, args: tuple[Any, ...], batches: list[Any], world: int
+        self,
+        args: tuple[Any, ...],
+        batches: list[Any],
+        world: int,
+        failed: BaseException | None = None,
     ) -> tuple[Any, Any, list[Any]]:
-        """The reproducible mode (``_reproducible.Grains``) on these batches' grains."""
+        """The reproducible mode (``_reproducible.Grains``) on these batches' grains (``failed``:
+        this rank's error before them, announced in the call)."""
         n = _position(self.argnums, args)
         return self.grains(  # type: ignore[misc]
             self.local, batches, group=self.group, world=world, weight=self.weight,
-            checksums=None if n is None else self._checksums(args[n]),
+            checksums=None if n is None else self._checksums(args[n]), failed=failed,
         )  # fmt: skip
 
     def _refuse_grains(self, method: str) -> None:
@@ -477,11 +471,7 @@ class Step:
             grads, value = self.local(*args)
             acc.add(grads, self._weigh(args, {}))
             values.append(value)
-        if known is not None and len(values) < known:
-            raise ValueError(
-                f"{_CALLER}: accumulate's micro_batches yielded {len(values)} "
-                f"micro-batch(es), count={known}"
-            )
+        _check_count(len(values), known)
         weight = acc.weight if self.weight is not None else None
         return (None if acc.leaves is None else acc.tree()), values, weight
 
@@ -882,3 +872,11 @@ def grad_and_value(
         grain=grain,
         seed=seed,
     )
+
+
+def _check_count(drawn: int, known: int | None) -> None:
+    """``ValueError`` where ``accumulate``'s micro-batches fell short of ``count``."""
+    if known is not None and drawn < known:
+        raise ValueError(
+            f"{_CALLER}: accumulate's micro_batches yielded {drawn} micro-batch(es), count={known}"
+        )
