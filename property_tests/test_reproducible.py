@@ -6,7 +6,8 @@ four grains made from one drawn input (it, twice it, minus it, it plus one:
 four grains of other values), trained two SGD steps by
 ``fr.testing.check_reproducible`` in this process and on pools of 2 and 4
 ranks (2 and 1 grains a rank), all-reduced or, with ``shard=True``, reduce-
-scattered (ZeRO-2), each grain weighted or not (``weight=``): every rank's
+scattered (ZeRO-2), or through ``apply_sharded`` on shards (ZeRO-3, its
+default units), each grain weighted or not (``weight=``): every rank's
 gradients and parameters after every step equal this process's, bit for bit.
 """
 
@@ -68,13 +69,18 @@ def rows(inputs: Any) -> int:
 
 
 @examples(0.1)
-@given(modules(kinds=KINDS, training=True), st.booleans(), st.booleans(), st.data())
+@given(
+    modules(kinds=KINDS, training=True),
+    st.sampled_from(["all_reduce", "zero2", "zero3"]),
+    st.booleans(),
+    st.data(),
+)
 def test_every_world_size_ends_each_step_with_one_process_bits(
-    pools: dict[int, RankPool], drawn: Any, shard: bool, weighted: bool, data: st.DataObject
+    pools: dict[int, RankPool], drawn: Any, mode: str, weighted: bool, data: st.DataObject
 ) -> None:
     module, inputs = drawn
     one = data.draw(inputs)
     check_reproducible(
-        module, four_grains(one), grain=rows(one), pools=pools, shard=shard, seed=3, steps=2,
-        weight=positives if weighted else None,
+        module, four_grains(one), grain=rows(one), pools=pools, shard=mode == "zero2",
+        zero3=mode == "zero3", seed=3, steps=2, weight=positives if weighted else None,
     )  # fmt: skip

@@ -78,7 +78,10 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
     ``"eval"`` (the default reduction, dropout off: only the summation order
     differs between world sizes) or ``"zero2"`` (reproducible, ``shard=True``:
     AdamW on this rank's rows, the parameters all-gathered after each step;
-    the moments come back gathered too).
+    the moments come back gathered too) or ``"zero3"`` (reproducible, the loss
+    through ``apply_sharded`` with each Linear a unit: AdamW on this rank's
+    shards, which only the end gathers) or ``"zero3_weighted"`` (the same,
+    with ``weight=`` and ``accumulate`` over two unequal micro-batches).
     """
     net = model()
     if mode == "eval":
@@ -91,21 +94,30 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
         out, _ = fr.apply(net, fr.State(p, {}), x)
         return F.cross_entropy(out, y)
 
+    def sharded_loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(net, fr.State(p, {}), x, units=["0", "3", "6"])
+        return F.cross_entropy(out, y)
+
     zero2 = mode in ("zero2", "zero2_clip")
+    zero3 = mode.startswith("zero3")
     grained: dict[str, Any] = {}
-    if mode in ("grain", "zero2", "zero2_clip", "accumulate"):
+    if mode in ("grain", "zero2", "zero2_clip", "accumulate", "zero3", "zero3_weighted"):
         grained = {"grain": GRAIN, "seed": SEED}
-    if mode == "accumulate":  # each grain weighted by its samples of the first 4 classes
+    if mode in ("accumulate", "zero3_weighted"):  # each grain weighted by its first 4 classes
         grained["weight"] = _counted
-    step = fr.distributed.grad_and_value(loss_fn, shard=zero2, **grained)
+    fn = sharded_loss if zero3 else loss_fn
+    step = fr.distributed.grad_and_value(fn, shard=zero2, **grained)
     torch.manual_seed(SEED)  # the default mode's dropout: each rank's own generator
     rows = BATCH // world
-    mine = fr.distributed.shard(params) if zero2 else params
-    state = fr.distributed.shard(state) if zero2 else state
+    full = params
+    mine = fr.distributed.shard(params) if zero2 or zero3 else params
+    state = fr.distributed.shard(state) if zero2 or zero3 else state
+    if zero3:
+        params = mine
     for t in range(1, STEPS + 1):
         x, y = batch(t)
         x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
-        if mode == "accumulate":  # two micro-batches of unequal size: one block of grains
+        if mode in ("accumulate", "zero3_weighted"):  # two unequal micro-batches: one block
             cut = GRAIN  # one grain, then the rest
             grads, _ = step.accumulate(params, [(x[:cut], y[:cut]), (x[cut:], y[cut:])])
         else:
@@ -115,7 +127,9 @@ def train(mode: str, rank: int = 0, world: int = 1) -> dict[str, Any]:
             assert float(norm) > CLIP  # it clips
         mine, state = adamw(mine, grads, state, t)
         params = fr.distributed.all_gather(mine, params) if zero2 else mine
-    if zero2:
+    if zero3:
+        params = fr.distributed.all_gather(mine, full)
+    if zero2 or zero3:
         state = {s: fr.distributed.all_gather(state[s], params) for s in ("m", "v")}
     return {"params": params, "state": state}
 
@@ -124,7 +138,7 @@ def _train_on_ranks(mode: str, rank: int) -> dict[str, Any]:
     return train(mode, rank, dist.get_world_size())
 
 
-MODES = ("grain", "default", "eval", "zero2", "accumulate", "zero2_clip")
+MODES = ("grain", "default", "eval", "zero2", "accumulate", "zero2_clip", "zero3", "zero3_weighted")
 CLIP = 0.05  # below every step's norm
 
 
@@ -153,10 +167,17 @@ def sent(rank: int) -> dict[str, int]:
         grad = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, shard=shard)
         return lambda: grad(params, torch.randn(GRAIN, 16))
 
+    def sharded(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(net, fr.State(p, {}), x, units=["0", "3", "6"])
+        return out.square().mean()
+
+    zero3 = fr.distributed.grad_and_value(sharded, grain=GRAIN)
+    shards = fr.distributed.shard(params)
     ring = n * (world - 1) // world  # a ring reduce-scatter's; an all-reduce's twice that
     return {
         "sent": sent_by(step(False)), "ring": 2 * ring,
         "sent_shard": sent_by(step(True)), "ring_shard": ring,
+        "sent_zero3": sent_by(lambda: zero3(shards, torch.randn(GRAIN, 16))),
     }  # fmt: skip
 
 
@@ -174,9 +195,26 @@ def refusals(rank: int) -> dict[str, Any]:
             raise KeyError("rank 1's loss")
         return loss_fn(p, x)
 
+    shards = fr.distributed.shard(params)
+    extra = torch.ones(())
+
+    def outside(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        # one differentiated tensor the gathers never see: its gradient is this rank's alone
+        out, _ = fr.distributed.apply_sharded(net, fr.State(p["net"], {}), x, units=["0", "3"])
+        return out.square().mean() * p["extra"]
+
+    def sharded_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return fr.distributed.apply_sharded(net, fr.State(p, {}), x)[0].square().mean()
+
     out: dict[str, Any] = {}
     three = dist.new_group([0, 1, 2])  # collective: every rank makes it
     cases = {
+        "zero3_outside": lambda: fr.distributed.grad_and_value(outside, grain=4)(
+            {"net": shards, "extra": extra}, torch.randn(8, 16)
+        ),
+        "zero3_shard": lambda: fr.distributed.grad_and_value(sharded_loss, grain=4, shard=True)(
+            shards, torch.randn(8, 16)
+        ),
         "three_ranks": lambda: fr.distributed.grad_and_value(loss_fn, grain=4, group=three)(
             params, torch.randn(8, 16)
         ),
@@ -309,3 +347,46 @@ def clip_norms(rank: int = 0, world: int = 1) -> dict[str, list[torch.Tensor]]:
 @scenario
 def norms(rank: int) -> dict[str, list[torch.Tensor]]:
     return clip_norms(rank, dist.get_world_size())
+
+
+class Odd(nn.Module):
+    """Rows that split unevenly (5: 2, 2, 1 and 0 on 4 ranks), a 0-dim parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(16, 5)
+        self.b = nn.Linear(5, 8)
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+def odd_zero3(rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
+    """One reproducible ZeRO-3 gradient of ``Odd`` (``b.bias`` frozen: gathered, never
+    reduced), every rank's rows gathered whole."""
+    net = Odd()
+    params = {k: v.detach().clone() for k, v in fr.state(net).params.items()}
+    shards = fr.distributed.shard(params)
+    frozen = {"b.bias": shards.pop("b.bias")}
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(net, fr.State({**p, **frozen}, {}), x, units=["a"])
+        return F.cross_entropy(out, y)
+
+    x, y = batch(1)
+    rows = BATCH // world
+    step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, seed=SEED)
+    grads, _ = step(shards, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
+    return fr.distributed.all_gather(grads, {k: params[k] for k in grads})
+
+
+@scenario
+def zero3_odd(rank: int) -> dict[str, torch.Tensor]:
+    return odd_zero3(rank, dist.get_world_size())
+
+
+def zero3_on_ranks(mode: str) -> dict[str, Any]:
+    """``train(mode)`` on a ``fr.testing.RankPool``'s rank."""
+    return train(mode, dist.get_rank(), dist.get_world_size())

@@ -51,6 +51,7 @@ def jobs() -> dict[int, dict[str, list[Any]]]:
                 "sent",
                 "odd_sizes",
                 "norms",
+                "zero3_odd",
                 *(["refusals", "subgroup"] if world == 4 else []),
             ],
             world=world,
@@ -94,6 +95,30 @@ def test_zero2_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
     for world in WORLDS:
         for rank, result in enumerate(w.ok(jobs[world], "train_zero2")):
             assert equal(result, here["grain"]), f"grain=, shard=True: rank {rank} of {world}"
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_zero3_ends_with_the_same_bits_on_1_2_and_4_ranks(jobs, here):
+    # the loss through apply_sharded: each unit's transpose sums the ranks' rows grain by grain
+    # (the grains in bit-reversed order), AdamW on the shards; weighted and accumulated too.
+    # Its bits are its own (its tree joins the ranks' grains first), near the replicated ones.
+    for mode in ("zero3", "zero3_weighted"):
+        for world in WORLDS:
+            for rank, result in enumerate(w.ok(jobs[world], f"train_{mode}")):
+                assert equal(result, here[mode]), f"{mode}: rank {rank} of {world} differs"
+    assert not equal(here["zero3"], here["grain"])
+    fr.testing.assert_trees_close(here["zero3"]["params"], here["grain"]["params"], rtol=1e-5, atol=1e-6)
+    assert not equal(here["zero3_weighted"], here["zero3"])  # the weights change the run
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+def test_zero3_rows_that_split_unevenly_a_whole_and_a_frozen_parameter(jobs, one_thread):
+    # 5 rows on 4 ranks (2, 2, 1, 0), a 0-dim parameter held whole, a frozen bias never reduced
+    expected = rw.odd_zero3()
+    assert set(expected) == {"a.weight", "a.bias", "b.weight", "scale"}
+    for world in WORLDS:
+        for rank, got in enumerate(w.ok(jobs[world], "zero3_odd")):
+            assert all(torch.equal(got[k], expected[k]) for k in expected), (world, rank)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -178,12 +203,14 @@ def test_uneven_halves_two_dtypes_and_a_group_of_two(jobs, one_thread):
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 def test_each_rank_sends_what_a_ring_all_reduce_sends(jobs):
     # recursive halving then doubling: 2 n (W - 1) / W bytes of an n-byte gradient (ratio 1.00)
-    # shard=True: recursive halving alone, n (W - 1) / W, a ring reduce-scatter's
+    # shard=True: recursive halving alone, n (W - 1) / W, a ring reduce-scatter's; ZeRO-3 too
     for world in WORLDS:
         for result in w.ok(jobs[world], "sent"):
             assert result["sent"] <= 1.05 * result["ring"], (world, result)
             assert result["sent"] == result["ring"], (world, result)
             assert result["sent_shard"] == result["ring_shard"], (world, result)
+            # ZeRO-3: each grain's rows, one all-to-all a unit (one grain here)
+            assert result["sent_zero3"] == result["ring_shard"], (world, result)
 
 
 # --- what is refused, on every rank -------------------------------------------------------------
@@ -216,6 +243,11 @@ def test_refusals_on_four_ranks(jobs):
         else:
             assert got["short"][:2] == ("raised", "RuntimeError")
             assert "rank 1 raised in its grains" in got["short"][2]
+        # ZeRO-3: a differentiated tensor outside the shards (its gradient this rank's alone)
+        assert got["zero3_outside"][:2] == ("raised", "ValueError")
+        assert "the one at ['extra'] is used outside them" in got["zero3_outside"][2]
+        assert got["zero3_shard"][:2] == ("raised", "ValueError")
+        assert "leave out shard=True" in got["zero3_shard"][2]
         assert got["after"][0] == "returned"  # the group goes on after every refusal
         fr.testing.assert_trees_close(got["after"][1], results[0]["after"][1], rtol=0, atol=0)
 
@@ -414,3 +446,16 @@ def test_a_channels_last_gradient_stays_channels_last():
     assert plain["w"].is_contiguous(memory_format=torch.channels_last)
     assert grads["w"].stride() == plain["w"].stride()
     torch.testing.assert_close(grads["w"], plain["w"])
+
+
+def test_zero3_under_grain_refuses_mixed_precision():
+    net = nn.Linear(4, 2)
+    shards = fr.distributed.shard(fr.state(net).params)
+
+    def loss_fn(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(net, fr.State(p, {}), x, mp_policy=_policy())
+        return out.float().sum()
+
+    step = fr.distributed.grad_and_value(loss_fn, grain=2)
+    with pytest.raises(NotImplementedError, match="apply_sharded takes neither mp_policy"):
+        step(shards, torch.randn(4, 4))

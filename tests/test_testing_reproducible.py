@@ -38,12 +38,22 @@ def test_a_model_with_dropout_passes_and_a_rank_dependent_one_is_named(pools):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for shard in (False, True):
         fr.testing.check_reproducible(model, x, grain=4, world_sizes=(2,), pools=pools, shard=shard)
+    # ZeRO-3: the loss through apply_sharded, a unit per Linear, the shards updated
+    units = ["0", "3"]
+    fr.testing.check_reproducible(model, x, grain=4, world_sizes=(2,), pools=pools, zero3=True)
+    fr.testing.check_reproducible(
+        model, x, grain=4, world_sizes=(2,), pools=pools, zero3=True, units=units
+    )
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     with pytest.raises(
         AssertionError,
         match=r"gradients after step 0 on rank 0 of 2 differ from one process's \(grain=4\): .*fc",
     ):
         fr.testing.check_reproducible(tw.ByRank(), x, grain=4, world_sizes=(2,), pools=pools)
+    with pytest.raises(AssertionError, match=r"gradients after step 0 on rank 0 of 2 .*fc"):
+        fr.testing.check_reproducible(
+            tw.ByRank(), x, grain=4, world_sizes=(2,), pools=pools, zero3=True
+        )
 
 
 @pytest.mark.parametrize(
@@ -52,6 +62,8 @@ def test_a_model_with_dropout_passes_and_a_rank_dependent_one_is_named(pools):
         ({"world_sizes": (3,)}, ValueError, "world_sizes must hold powers of two"),
         ({"steps": 0}, ValueError, "steps must be an int >= 1"),
         ({"pools": {4: None}}, ValueError, r"pools\[4\] must be a fr.testing.RankPool of 4 ranks"),
+        ({"shard": True, "zero3": True}, ValueError, r"shard=True \(ZeRO-2\) and zero3=True"),
+        ({"units": ["0"]}, ValueError, "units= is apply_sharded's: give it with zero3=True"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, message):

@@ -28,12 +28,27 @@ world size that is not a power of two has no fixed partners.
 Each rank sends ``2 * n * (W - 1) / W`` elements of an ``n``-element
 gradient per dtype (halving then doubling; a few elements more or less
 where a segment halves unevenly), a ring all-reduce's count.
+
+ZeRO-3 (a loss through ``apply_sharded``): the gradient reaches the shards
+through each unit's gather's transpose, inside every grain's backward, so
+the ranks' grains are summed *before* a rank's own: the tree is taken over
+the grains in bit-reversed order of position. With ``i = j*W + t`` the
+tree's leaf order, leaf ``i`` is position ``bitrev_N(i)``, which is rank
+``bitrev_W(t)``'s local grain ``bitrev_m(j)``: step ``j`` of every rank runs
+its grain ``bitrev_m(j)``; each unit's transpose sends every rank its rows
+(one ``all_to_all``: a ring reduce-scatter's bytes) and each rank sums the
+``W`` ranks' rows as the tree over ``t`` (``_Gathering``); the binary
+counter then joins the steps. One process (``apply_sharded`` is ``fr.apply``
+there) runs its ``N`` grains in the order ``bitrev_N``: the same tree. These
+bits are the ZeRO-3 mode's own, equal on every world size, not the
+replicated mode's (whose tree joins a rank's grains first).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import optree
@@ -46,8 +61,19 @@ from .._torch import is_compiling, transform_level
 from .._tree import NAMESPACE, flatten_in_order, paths_of
 from ._group import collective, comm_device
 from ._options import weight_value
+from ._wire import Spec, valid_rows
 
-__all__ = ["Grains", "exchange", "grain_seed", "halving_doubling", "refuse", "tree_sum"]
+__all__ = [
+    "Gathering",
+    "Grains",
+    "all_to_all",
+    "exchange",
+    "gathering",
+    "grain_seed",
+    "halving_doubling",
+    "refuse",
+    "tree_sum",
+]
 
 _MASK = (1 << 64) - 1
 
@@ -137,6 +163,185 @@ def _add(left: list[Any], right: list[Any], *, into: bool) -> list[Any]:
     return out
 
 
+class Gathering:
+    """The grain now running, as ``apply_sharded`` sees it: ZeRO-3's transposes under ``grain=``.
+
+    ``apply_sharded`` says it ran (``seen``); each unit's gather's transpose
+    (``rows``) sums the ranks' cotangents as the tree over the ranks in
+    bit-reversed order and hands this rank its rows, each scaled by the
+    grain's weight first (``scale``); which tensors the loss differentiates
+    (``inputs``, ``Grains.seeing``) and which the gathers took (``gathered``),
+    by identity, for ``check``.
+    """
+
+    __slots__ = ("caller", "gathered", "group", "inputs", "scale", "seen", "world")
+
+    def __init__(self, caller: str, world: int, group: Any) -> None:
+        self.caller, self.world, self.group = caller, world, group
+        self.start(None)
+
+    def start(self, scale: float | None) -> None:
+        """A new grain, of weight ``scale`` (``None``: none)."""
+        self.scale = scale
+        self.seen = False
+        self.inputs: list[int | None] = []  # the differentiated tensors, as the loss gets them
+        self.gathered: set[int] = set()  # those the gathers took
+
+    def check(self, sharded: bool | None, leaves: list[Any], spec: Any) -> None:
+        """Every grain alike: all through ``apply_sharded`` or none; and then (on more than one
+        rank) every differentiated tensor one its gathers took, or of zero gradient (a shard
+        whose unit did not run): a tensor used outside them would not be summed over the
+        ranks. (One used outside on another rank only raises there, and so everywhere.)"""
+        if self.seen != sharded:
+            raise ValueError(
+                f"{self.caller}: with grain=, every grain's loss must go through "
+                "fr.distributed.apply_sharded or none: the grains differ"
+            )
+        if not sharded or self.world <= 1:
+            return
+        for k, (t, i) in enumerate(zip(leaves, self.inputs)):
+            if isinstance(t, torch.Tensor) and i not in self.gathered and t.any():
+                raise ValueError(
+                    f"{self.caller}: with grain= and fr.distributed.apply_sharded, every "
+                    "differentiated tensor must be a shard its gathers take; the one at "
+                    f"{paths_of(spec)[k]} is used outside them (its gradient would not be "
+                    "summed over the ranks)"
+                )
+
+    def rows(
+        self, spec: Spec, cts: Sequence[torch.Tensor], inputs: Sequence[Any], wanted: list[int]
+    ) -> list[Any]:
+        """The gradients of the gather ``spec``'s shards ``wanted`` (``None`` for the others):
+        this rank's rows of the cotangents ``cts`` summed over the ranks, in the fixed tree.
+
+        Per dtype and device one buffer of ``W`` equal blocks, block ``q`` rank ``q``'s rows
+        of every tensor (zero rows after a late rank's last; a whole tensor all of it, in
+        every block), exchanged by one ``all_to_all`` (a ring reduce-scatter's bytes); the
+        blocks received are summed as the perfect tree over ``t``, rank ``bitrev(t)``'s the
+        ``t``-th leaf.
+        """
+        if spec.world != self.world:
+            raise ValueError(
+                f"{self.caller}: apply_sharded's group has {spec.world} ranks and the step's "
+                f"{self.world}: give grad_and_value the group the shards are of"
+            )
+        grads: list[Any] = [None] * len(cts)
+        world, group = spec.world, spec.group
+        rank = dist.get_rank(group) if world > 1 else 0
+        wholes = spec.wholes([c.shape for c in cts])
+        for members in group_by(wanted, lambda k: device_dtype(cts[k])).values():
+            ks = [wanted[i] for i in members]
+            ts = [cts[k] for k in ks]
+            rows = [None if wholes[k] else -(-t.shape[0] // world) for k, t in zip(ks, ts)]
+            shapes = tuple(
+                t.shape if c is None else torch.Size((c, *t.shape[1:])) for c, t in zip(rows, ts)
+            )
+            orders = tuple(_rows_outside(memory_order(t)) for t in ts)
+            numels = tuple(s.numel() for s in shapes)
+            layout = Layout(shapes, numels, ts[0].dtype, ts[0].device, orders, (0,) * len(ts))
+            size = layout.size
+            send = torch.zeros(size * world, dtype=layout.dtype, device=layout.device)
+            with torch.no_grad():
+                for q in range(world):
+                    for c, t, block in zip(
+                        rows, ts, unpack(send[q * size : (q + 1) * size], layout)
+                    ):
+                        src = t if c is None else t[q * c : q * c + valid_rows(c, t.shape[0], q)]
+                        out = block if c is None else block[: src.shape[0]]
+                        if self.scale is None:
+                            out.copy_(src)
+                        else:
+                            torch.mul(src, self.scale, out=out)
+                recv = send
+                if world > 1:
+                    recv = torch.empty_like(send)
+                    all_to_all(send, recv, group, self.caller)
+                blocks = [
+                    recv[q * size : (q + 1) * size] for q in map(_bitrev_of(world), range(world))
+                ]
+                (total,) = tree_sum([[b] for b in blocks])
+            for k, c, t, view in zip(ks, rows, ts, unpack(total, layout)):
+                got = view if c is None else view[: valid_rows(c, t.shape[0], rank)]
+                if tuple(got.shape) != tuple(inputs[k][0]):
+                    raise ValueError(
+                        f"{self.caller}: the shard at {spec.paths[k]} has shape "
+                        f"{tuple(inputs[k][0])}, not this rank's rows {tuple(got.shape)} of "
+                        "its parameter (fr.distributed.shard's)"
+                    )
+                grads[k] = got
+        return grads
+
+
+def all_to_all(send: torch.Tensor, recv: torch.Tensor, group: Any, caller: str) -> None:
+    """Block ``q`` of ``send`` to rank ``q``; rank ``q``'s block for this rank into ``recv``'s
+    block ``q`` (``W`` equal blocks each)."""
+    with collective(caller):
+        dist.all_to_all_single(recv, send, group=group)
+
+
+def _bitrev_of(world: int) -> Callable[[int], int]:
+    return lambda t: bitrev(t, world)
+
+
+_NOW = threading.local()
+
+
+def gathering() -> Gathering | None:
+    """The reproducible grain running on this thread (``apply_sharded`` reads it), if any."""
+    return getattr(_NOW, "grain", None)
+
+
+@contextlib.contextmanager
+def _running(now: Gathering) -> Iterator[None]:
+    before = gathering()
+    _NOW.grain = now
+    try:
+        yield
+    finally:
+        _NOW.grain = before
+
+
+def _agree_grains(caller: str, group: Any, m: int) -> None:
+    """ZeRO-3's grains exchange rows grain by grain: the ranks agree on how many there are
+    after the first (every rank has one), before a rank that holds fewer would wait alone."""
+    info = torch.tensor([m, -m], dtype=torch.int64, device=comm_device(group))
+    with collective(caller):
+        dist.all_reduce(info, op=dist.ReduceOp.MAX, group=group)
+    hi, lo = (int(v) for v in info)
+    if hi != -lo:
+        raise ValueError(
+            f"{caller}: ranks hold different numbers of grains ({-lo} to {hi}); grain= needs "
+            "the same batch size on every rank"
+        )
+
+
+def _mean(leaves: list[Any], total: int | None) -> list[Any]:
+    """Each floating leaf over ``total`` (``None``: the sum, as it is)."""
+    if not total:
+        return leaves
+    return [
+        t / total
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+        else t
+        for t in leaves
+    ]
+
+
+def _weights_sum(weights: list[float], rank: int, world: int, group: Any, caller: str) -> float:
+    """The grains' weights summed as ZeRO-3's gradients are: the tree over leaf ``i``, position
+    ``bitrev_N(i)`` (every rank's weights gathered: ``m`` numbers a rank)."""
+    mine = torch.tensor(weights, dtype=torch.float64, device=comm_device(group))
+    rows = [mine]
+    if world > 1:
+        rows = [torch.empty_like(mine) for _ in range(world)]
+        with collective(caller):
+            dist.all_gather(rows, mine, group=group)
+    every = torch.cat(rows).cpu()  # position p = rank * m + local grain
+    n = every.numel()
+    (total,) = tree_sum([[every[bitrev(i, n)]] for i in range(n)])
+    return float(total)
+
+
 class Grains:
     """A reproducible step's own part: grain size, seed, and the calls made so far (``step``).
 
@@ -196,6 +401,7 @@ class Grains:
         summed: list[Any] = []
         spec: Any = None
         values: list[Any] = []
+        sharded: list[float] | None = None  # ZeRO-3: each grain's weight
         m = 0
         cuts: list[Any] = []
         try:
@@ -204,10 +410,14 @@ class Grains:
             cuts = [_cut(args, kwargs, n, self.grain, caller) for args, kwargs in batches]
             m = sum(k for k, _ in cuts)
             if _power_of_two(m):  # else refused below, on every rank alike
-                summed, spec, values = self._grains(local, cuts, m, rank, step, weight)
+                summed, spec, values, sharded = self._grains(
+                    local, cuts, m, rank, world, group, step, weight
+                )
         except BaseException as err:  # announced to the peers before it propagates
             error = err
         sizes = [t.numel() for t in summed[:-1] if isinstance(t, torch.Tensor)]
+        if sharded is not None:  # ZeRO-3: rows, which differ across ranks by design
+            sizes, checksums = [], None
         if world > 1:
             first = checksums is not None and not self.checked and error is None
             sums = checksums() if first else []  # type: ignore[misc]
@@ -223,6 +433,21 @@ class Grains:
                 "samples"
             )
         *grads, loss = summed
+        if sharded is not None:  # ZeRO-3: reduced over the ranks already, grain by grain
+            if self.shard:
+                raise ValueError(
+                    f"{caller}: shard=True gives ZeRO-2's rows of replicated parameters; a loss "
+                    "through fr.distributed.apply_sharded differentiates the shards, whose "
+                    "gradients are rows already: leave out shard=True"
+                )
+            if weight is None:
+                grads = _mean(grads, m * world if op == "mean" else None)
+            else:
+                grads = _divided(grads, _weights_sum(sharded, rank, world, group, caller))
+            value = loss / m
+            out = optree.tree_unflatten(spec, grads)
+            whole = (value, [v[1] for v in values]) if has_aux else value
+            return out, whole, _per_batch(values, cuts, has_aux)
         reduce = _scattered if self.shard else _reduced
         if weight is None:
             grads = reduce(grads, rank, world, group, m * world, op, caller)
@@ -233,6 +458,19 @@ class Grains:
         out = optree.tree_unflatten(spec, grads)
         whole = (value, [v[1] for v in values]) if has_aux else value
         return out, whole, _per_batch(values, cuts, has_aux)
+
+    def seeing(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn``, telling the running grain (if any) which tensors it differentiates."""
+        n = self.argnums
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            now = gathering()
+            if now is not None:
+                leaves, _ = flatten_in_order(args[n])
+                now.inputs = [id(t) if isinstance(t, torch.Tensor) else None for t in leaves]
+            return fn(*args, **kwargs)
+
+        return run
 
     def _refuse(self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int) -> int:
         """What the mode cannot run, raised before anything runs; the differentiated argument's
@@ -263,47 +501,65 @@ class Grains:
         cuts: list[tuple[int, Callable[[int], tuple[tuple[Any, ...], dict[str, Any]]]]],
         m: int,
         rank: int,
+        world: int,
+        group: Any,
         step: int,
         weight: Callable[..., Any] | None,
-    ) -> tuple[list[Any], Any, list[Any]]:
+    ) -> tuple[list[Any], Any, list[Any], list[float] | None]:
         """The rank's ``m`` grains, each alone, summed by the binary counter (value last; with
         ``weight``, each gradient times its grain's weight, and the weight before the value);
-        each grain's value (``(value, aux)`` with ``has_aux``)."""
+        each grain's value (``(value, aux)`` with ``has_aux``), in the grains' order; and, where
+        the loss went through ``apply_sharded`` (ZeRO-3: the grains then run in bit-reversed
+        order, their gradients reduced over the ranks in their gathers' transposes), each
+        grain's weight (``None`` otherwise)."""
         spec: Any = None
-        values: list[Any] = []
+        values: list[Any] = [None] * m
+        weights: list[float] = [1.0] * m
         has_aux = self.has_aux
+        grains = [(cut, k) for count, cut in cuts for k in range(count)]
+        now = Gathering(self.caller, world, group)
+        sharded: bool | None = None  # the first grain tells: through apply_sharded or not
 
         def parts() -> Iterator[list[Any]]:
-            nonlocal spec
-            i = 0
-            for count, cut in cuts:
-                for j in range(count):
-                    args, kwargs = cut(j)
-                    with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs):
-                        grads, value = local(*args, **kwargs)
-                    i += 1
-                    values.append((value[0].detach(), value[1]) if has_aux else value.detach())
-                    if has_aux:
-                        value = value[0]
-                    leaves, spec = flatten_in_order(grads)
-                    _refuse_sparse(leaves, spec, self.caller)
-                    if weight is None:
-                        yield [*leaves, value.detach()]
-                        continue
+            nonlocal spec, sharded
+            for j in range(m):
+                i = bitrev(j, m) if sharded else j  # bitrev(0) == 0: the first grain is alike
+                cut, k = grains[i]
+                args, kwargs = cut(k)
+                w = None
+                if weight is not None:
                     w = weight_value(self.caller, weight(*args, **kwargs), "weight(*grain)")
-                    yield [
-                        *_scaled(leaves, w),
-                        torch.tensor(w, dtype=torch.float64),
-                        value.detach(),
-                    ]
+                    weights[i] = w
+                now.start(w)
+                with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs), _running(now):
+                    grads, value = local(*args, **kwargs)
+                values[i] = (value[0].detach(), value[1]) if has_aux else value.detach()
+                if has_aux:
+                    value = value[0]
+                leaves, spec = flatten_in_order(grads)
+                _refuse_sparse(leaves, spec, self.caller)
+                if sharded is None:
+                    sharded = now.seen
+                    if sharded and world > 1:
+                        _agree_grains(self.caller, group, m)
+                now.check(sharded, leaves, spec)
+                if sharded and w is not None and world == 1:  # no gather: scaled here
+                    leaves = _scaled(leaves, w)
+                if w is None or sharded:  # (on ranks ZeRO-3's transposes scaled it)
+                    yield [*leaves, value.detach()]
+                    continue
+                yield [*_scaled(leaves, w), torch.tensor(w, dtype=torch.float64), value.detach()]
 
-        return tree_sum(parts()), spec, values
+        summed = tree_sum(parts())
+        return summed, spec, values, weights if sharded else None
 
 
 def _scaled(leaves: list[Any], w: float) -> list[Any]:
     """Each tensor leaf times ``w`` (a grain's weight), the others as they are."""
     k = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
     out = list(leaves)
+    if not k:  # nothing differentiated (a module without parameters)
+        return out
     for i, t in zip(k, torch._foreach_mul([leaves[i] for i in k], w)):
         out[i] = t
     return out

@@ -54,6 +54,7 @@ from .._tree import describe
 from ._group import ProtocolError, comm_device, forward_ad_level, groups_of, world_size
 from ._options import Options
 from ._precision import Precision, cast, cast_inputs, cast_output, precision_of
+from ._reproducible import gathering
 from ._rules import Pending, apply, as_rule, failed, needs_rules, plain, transposed
 from ._units import Units, units_of
 from ._wire import ALL_GATHER, ALL_REDUCE, Spec, order_of, replaced, valid_rows
@@ -167,6 +168,14 @@ def apply_sharded(
             f"{_CALLER}: group's shard group has one rank and its replicate group {replicas}: "
             "nothing to shard (replicated training is fr.distributed.grad_and_value's)"
         )
+    grain = gathering()
+    if grain is not None:  # under grad_and_value(grain=): ZeRO-3's gradient in the fixed tree
+        grain.seen = True
+        if precision is not None or replicas > 1:
+            raise NotImplementedError(
+                f"{_CALLER}: under grad_and_value(grain=) (reproducible across world sizes) "
+                "apply_sharded takes neither mp_policy nor hybrid sharding yet"
+            )
     args, kwargs = cast_inputs(precision, args, kwargs)
     if world <= 1:
         dtype = None if precision is None else precision.param
@@ -279,6 +288,10 @@ class _Gathered(torch.autograd.Function):
         ctx.reduce = None if precision is None else precision.wire
         ctx.dtypes = [t.dtype for t in shards]
         ctx.replicate = replicate
+        ctx.grain = gathering()  # a reproducible step's grain (read here: a CUDA backward
+        # runs on autograd's own thread)
+        if ctx.grain is not None:
+            ctx.grain.gathered.update(map(id, shards))
         ctx.mark_non_differentiable(
             *(o for o in output if not (o.is_floating_point() or o.is_complex()))
         )
@@ -287,7 +300,10 @@ class _Gathered(torch.autograd.Function):
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         wanted = [k for k, need in enumerate(ctx.needs_input_grad[3:]) if need]
         cts = tuple(cast(c, ctx.reduce) for c in cts)  # the policy's reduce_dtype on the wire
-        grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
+        if ctx.grain is not None:  # grain=: the ranks' rows summed in the fixed tree
+            grads = ctx.grain.rows(ctx.spec, cts, ctx.inputs, wanted)
+        else:
+            grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
         if ctx.replicate is not None and wanted:  # HSDP: the rows reduced over the replicas
             paths = tuple(ctx.spec.paths[k] for k in wanted)
             over = replaced(as_rule(ctx.replicate, "backward"), paths=paths)

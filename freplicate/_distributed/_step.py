@@ -114,6 +114,9 @@ class Step:
         #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
         self.run = fn if precision is None else around(fn, precision, argnums)
         self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
+        if self.grains is not None:  # ZeRO-3 under grain=: the grains see what is differentiated
+            seeing = self.grains.seeing(self.run)
+            self.local = differentiate(seeing, argnums=argnums, has_aux=has_aux, caller=_CALLER)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
 
@@ -773,7 +776,11 @@ def grad_and_value(
     by the weights' sum, summed in the same tree. ``g.accumulate(tree,
     micro_batches)`` draws every micro-batch first and takes their grains
     as one block: the result is the call's on the micro-batches' rows
-    concatenated. Not (yet) with ``compress``, ``mp_policy``, ``skip``,
+    concatenated. A ``fn`` that runs the model through ``apply_sharded`` on
+    this rank's shards (ZeRO-3) gets its rows: each unit's transpose sums
+    the ranks' rows grain by grain in a fixed tree (the grains in
+    bit-reversed order; the mode's own bits, the same on every world size).
+    Not (yet) with ``compress``, ``mp_policy``, ``skip``,
     ``torch.compile``, ``torch.func`` transforms or graph-carrying inputs:
     ``NotImplementedError`` naming them.
 

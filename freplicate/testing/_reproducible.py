@@ -44,6 +44,8 @@ def check_reproducible(
     shard: bool = False,
     seed: int = 0,
     weight: Callable[..., Any] | None = None,
+    zero3: bool = False,
+    units: Sequence[str] | None = None,
 ) -> None:
     """Assert that ``steps`` reproducible steps on each world size give this process's bits.
 
@@ -56,9 +58,13 @@ def check_reproducible(
     them (with ``shard``: on this rank's rows, then
     ``fr.distributed.all_gather``); then the same on every rank of a pool of
     each size in ``world_sizes``, rank ``r`` of ``W`` passing rows ``[r * B /
-    W, (r + 1) * B / W)`` of each tensor. After every step, every rank's
-    gradients (its rows of them with ``shard``) and parameters must equal
-    this process's exactly. Dropout draws by grain (``seed``), so it may be
+    W, (r + 1) * B / W)`` of each tensor. With ``zero3`` the loss runs the
+    module through ``fr.distributed.apply_sharded`` (``units``) on this rank's
+    shards, which the update changes, and the parameters are their
+    ``all_gather``; those bits are the ZeRO-3 mode's own (its tree joins the
+    ranks' grains first), checked against one process running it too. After
+    every step, every rank's gradients (its rows of them with ``shard`` or
+    ``zero3``) and parameters must equal this process's exactly. Dropout draws by grain (``seed``), so it may be
     on. The module's parameters are all differentiated; its buffers are
     read, never updated (BatchNorm in training mode normalises each grain
     alone).
@@ -81,6 +87,8 @@ def check_reproducible(
         seed: ``grad_and_value``'s ``seed``.
         weight: ``grad_and_value``'s ``weight``, a function of a grain's
             arguments ``(params, *args, **kwargs)``; importable by the ranks.
+        zero3: ZeRO-3: the loss through ``fr.distributed.apply_sharded``.
+        units: with ``zero3``, ``apply_sharded``'s ``units`` (default: its own).
 
     Raises:
         AssertionError: a rank differs; the message names the world size,
@@ -114,8 +122,13 @@ def check_reproducible(
             "it from a process that has not called init_process_group"
         )
     _arguments(inputs)
+    if zero3 and shard:
+        raise ValueError(f"{_CALLER}: shard=True (ZeRO-2) and zero3=True: give one of them")
+    if units is not None and not zero3:
+        raise ValueError(f"{_CALLER}: units= is apply_sharded's: give it with zero3=True")
     setup: dict[str, Any] = {"grain": grain, "seed": seed, "shard": bool(shard), "steps": steps}
-    setup.update(lr=float(lr), loss=loss, weight=weight)
+    setup.update(lr=float(lr), loss=loss, weight=weight, zero3=bool(zero3))
+    setup.update(units=None if units is None else list(units))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank: the same kernels' reduction orders
     try:
@@ -158,7 +171,12 @@ def _train(
     n = len(args)
 
     def fn(p: dict[str, torch.Tensor], *a: Any, **kw: Any) -> torch.Tensor:
-        out, _ = fr.apply(module, fr.State(p, buffers), *a, **kw)
+        if setup["zero3"]:
+            out, _ = fr.distributed.apply_sharded(
+                module, fr.State(p, buffers), *a, units=setup["units"], **kw
+            )
+        else:
+            out, _ = fr.apply(module, fr.State(p, buffers), *a, **kw)
         value = setup["loss"](out) if setup["loss"] is not None else _weighted_loss(out)
         if not isinstance(value, torch.Tensor):
             raise ValueError(
@@ -171,7 +189,14 @@ def _train(
     )
     mine = _rows(args, kwargs, rank, world)
     history = []
+    shards = fr.distributed.shard(params) if setup["zero3"] else {}
     for _ in range(setup["steps"]):
+        if setup["zero3"]:
+            grads, _ = step(shards, *mine[:n], **mine[n])
+            shards = {k: r - setup["lr"] * grads[k] for k, r in shards.items()}
+            params = fr.distributed.all_gather(shards, params)
+            history.append({"gradients": grads, "parameters": params})
+            continue
         grads, _ = step(params, *mine[:n], **mine[n])
         if setup["shard"]:
             rows = fr.distributed.shard(params)
@@ -207,7 +232,7 @@ def _compare(
     for t, (ours, theirs) in enumerate(zip(here["steps"], got["steps"])):
         for what in ("gradients", "parameters"):
             want = ours[what]
-            if what == "gradients" and setup["shard"]:
+            if what == "gradients" and (setup["shard"] or setup["zero3"]):
                 want = {k: _rows_of(g, rank, world) for k, g in want.items()}
             try:
                 assert_trees_close(theirs[what], want, rtol=0, atol=0)
