@@ -6,14 +6,18 @@ this machine's 2 cores share them), each rank with the benchmark model's
 batch (64 samples), interleaved rounds of: the default
 ``fr.distributed.grad_and_value`` step, and the reproducible one with grains
 of 8, 32 and 64 samples (8, 2 and 1 grains a rank); then ZeRO-2
-(``shard=True``) by default and with grains of 8. A step's time is the
+(``shard=True``) by default and with grains of 8; then ZeRO-3 (the loss
+through ``apply_sharded``, a unit per Linear, on this rank's shards:
+``fr.grad_and_value`` by default, ``fr.distributed.grad_and_value(grain=8)``)
+by default and with grains of 8. A step's time is the
 slowest rank's, the figure the median over rounds of the per-round ratio
 (``bench_distributed``'s method). Before timing, each reproducible step's
 gradients must be the default's within float32's rounding (another
 summation order). Besides the times, ``details`` gives the bytes a rank
-sends in one reproducible step (its ``send``/``recv`` exchanges, counted)
-over a ring all-reduce's ``2 n (W - 1) / W`` (ZeRO-2: a ring
-reduce-scatter's, ``n (W - 1) / W``).
+sends in one reproducible step (its ``send``/``recv`` exchanges and
+``all_to_all`` blocks to other ranks, counted) over a ring all-reduce's
+``2 n (W - 1) / W`` (ZeRO-2 and ZeRO-3: a ring reduce-scatter's,
+``n (W - 1) / W``; ZeRO-3 sends one a grain).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 
 import freplicate as fr
 from freplicate._distributed import _reproducible
@@ -47,55 +52,85 @@ BYTES_TARGET = 1.05
 _DETAILS: list[str] = []
 
 
-def _steps(shard: bool, grains: tuple[int | None, ...]) -> list[Callable[[], Any]]:
+#: the step's kinds: the gradient all-reduced, ZeRO-2's rows, ZeRO-3's (through apply_sharded)
+MODES = ("all-reduce", "ZeRO-2", "ZeRO-3")
+
+
+def _steps(mode: str, grains: tuple[int | None, ...]) -> list[Callable[[], Any]]:
     """The default step (``None``) and one per grain, each on this rank's batch."""
     model, x, y = build(MODEL)
     s = fr.state(model)
     params = {k: v.detach().clone() for k, v in s.params.items()}
+    units = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
     def loss(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         out, _ = fr.apply(model, fr.State(p, s.buffers), x)
         return F.cross_entropy(out, y)
 
+    def sharded(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out, _ = fr.distributed.apply_sharded(model, fr.State(p, s.buffers), x, units=units)
+        return F.cross_entropy(out, y)
+
     out = []
     for grain in grains:
+        if mode == "ZeRO-3":
+            shards = fr.distributed.shard(params)
+            zero3 = (
+                fr.grad_and_value(sharded)
+                if grain is None
+                else fr.distributed.grad_and_value(sharded, grain=grain)
+            )
+            out.append(lambda step=zero3, shards=shards: step(shards, x, y)[0])
+            continue
         options = {} if grain is None else {"grain": grain}
-        step = fr.distributed.grad_and_value(loss, shard=shard, **options)
+        step = fr.distributed.grad_and_value(loss, shard=mode == "ZeRO-2", **options)
         out.append(lambda step=step: step(params, x, y)[0])
     return out
 
 
 def sent_by(step: Callable[[], Any]) -> int:
-    """Bytes this rank sends in one call of ``step`` (the mode's exchanges, counted; the
-    tests count with it too)."""
+    """Bytes this rank sends to other ranks in one call of ``step`` (the mode's exchanges and
+    all-to-alls, counted; the tests count with it too)."""
     counted = [0]
-    exchange = _reproducible.exchange
+    exchange, all_to_all = _reproducible.exchange, _reproducible.all_to_all
 
     def counting(send: torch.Tensor, *args: Any) -> None:
         counted[0] += send.numel() * send.element_size()
         exchange(send, *args)
 
+    def to_all(send: torch.Tensor, recv: torch.Tensor, group: Any, caller: str) -> None:
+        world = dist.get_world_size(group)  # its own block stays
+        counted[0] += send.numel() * send.element_size() * (world - 1) // world
+        all_to_all(send, recv, group, caller)
+
     _reproducible.exchange = counting  # type: ignore[assignment]
+    _reproducible.all_to_all = to_all  # type: ignore[assignment]
     try:
         step()
     finally:
         _reproducible.exchange = exchange  # type: ignore[assignment]
+        _reproducible.all_to_all = all_to_all  # type: ignore[assignment]
     return counted[0]
 
 
+def _grains(mode: str) -> tuple[int, ...]:
+    return GRAINS if mode == "all-reduce" else GRAINS[:1]
+
+
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    """On every rank: the rounds of both groups of sides, and the bytes sent."""
+    """On every rank: the rounds of each mode's sides, and the bytes sent."""
     torch.set_num_threads(1)
     world = dist.get_world_size()
     out: dict[str, Any] = {}
-    for shard, grains in ((False, (None, *GRAINS)), (True, (None, GRAINS[0]))):
-        sides = _steps(shard, grains)
+    for mode in MODES:
+        sides = _steps(mode, (None, *_grains(mode)))
         default = sides[0]()
         for step in sides[1:]:  # another summation order: float32's rounding apart
             fr.testing.assert_trees_close(step(), default, rtol=1e-3, atol=1e-6)
-        n = sum(g.numel() * g.element_size() for g in default.values()) * (world if shard else 1)
-        ring = (1 if shard else 2) * n * (world - 1) // world
-        out[f"shard={shard}"] = {
+        rows = mode != "all-reduce"  # the gradients are this rank's rows: n is W times theirs
+        n = sum(g.numel() * g.element_size() for g in default.values()) * (world if rows else 1)
+        ring = (1 if rows else 2) * n * (world - 1) // world
+        out[mode] = {
             "rounds": _rounds(sides, args.rounds, args.steps),
             "sent": [sent_by(step) for step in sides[1:]],
             "ring": ring,
@@ -116,17 +151,19 @@ def run(
     _DETAILS[:] = []
     for world in WORLDS:
         got = on_ranks(_measure, args, world, pin=pin, group_timeout=300, limit=3600)
-        for shard, grains in ((False, GRAINS), (True, GRAINS[:1])):
-            part = got[f"shard={shard}"]
+        for mode in MODES:
+            part = got[mode]
             t = part["rounds"]
-            what = "ZeRO-2 (shard=True) " if shard else ""
-            for i, grain in enumerate(grains, start=1):
-                target = TARGET if grain == 8 and not shard else None
+            what = {"all-reduce": "", "ZeRO-2": "ZeRO-2 (shard=True) "}.get(mode, f"{mode} ")
+            for i, grain in enumerate(_grains(mode), start=1):
+                target = TARGET if grain == 8 and mode == "all-reduce" else None
                 measure = f"{what}grain={grain} / the default step, {world} ranks"
                 rows.append(Row(NAME, measure, MODEL, t.median(i), t.median(0), t.ratio(i), target))
                 ratio = part["sent"][i - 1] / part["ring"]
-                kind = "reduce-scatter" if shard else "all-reduce"
+                kind = "all-reduce" if mode == "all-reduce" else "reduce-scatter"
                 status = "met" if round(ratio, 3) <= BYTES_TARGET else "missed"
+                if mode == "ZeRO-3":  # one reduce-scatter a grain, by design
+                    status = f"{64 // grain} grains a rank: one a grain"
                 _DETAILS.append(
                     f"bytes sent by a rank, {what}grain={grain}, {world} ranks: "
                     f"{part['sent'][i - 1]:,} / a ring {kind}'s {part['ring']:,} = {ratio:.3f} "

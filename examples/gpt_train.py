@@ -46,10 +46,12 @@ and rank ``r`` of ``W`` takes its rows ``[r*B/W, (r+1)*B/W)``; each grain of
 grains' gradients are summed in one fixed tree. On 1, 2, 4, ... processes
 with the same threads each (``OMP_NUM_THREADS=1``: torchrun sets it only
 for more than one process), the run ends with the same bits: compare the
-sha256 the run prints last. It takes ``--accumulate 1``, ``--zero 1`` or ``2``
-(ZeRO-2's rows clipped by rows, ``clip_grad_norm(reproducible=True)``), and
-neither ``--ddp``, ``--zero 3`` nor ``--compile``; a checkpoint resumes on any
-power of two of ranks:
+sha256 the run prints last. It takes ``--accumulate 1``, ``--zero 1``, ``2``
+or ``3`` (the rows clipped by rows, ``clip_grad_norm(reproducible=True)``;
+ZeRO-3's loss through ``apply_sharded``, whose gathers' transposes sum the
+ranks' rows grain by grain: bits of its own, the same on every world size),
+and neither ``--ddp`` nor ``--compile``; a checkpoint resumes on any power of
+two of ranks:
 
     OMP_NUM_THREADS=1 .venv/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 \\
         --master-port 29533 examples/gpt_train.py --grain 4 --batch-size 32 --accumulate 1
@@ -170,9 +172,6 @@ class Config:
             raise ValueError(f"--grain must be a number of sequences >= 1, got {self.grain}")
         refused = {
             "--ddp": self.ddp,  # DDP sums in its own order: nothing to compare bits with
-            # ZeRO-3's gradient is apply_sharded's, not a grain= step's (ZeRO-1 and 2 run:
-            # ZeRO-2's rows clipped by fr.distributed.clip_grad_norm(reproducible=True))
-            f"--zero {self.zero}": self.zero == 3,
             "--compile": self.compile,  # grain= runs eagerly only
             # grain='s accumulate() takes a rank's block of the step's grains: this example's
             # micro-batches are each a global batch cut across the ranks, another order
@@ -353,6 +352,10 @@ class Functional:
                 self.model = GPT(model.config)
             self.model.train(model.training)
             self.grad: Any = fr.grad_and_value(self.sharded_loss)
+            if config.grain:  # the gathers' transposes sum the ranks' rows in the fixed tree
+                self.grad = fr.distributed.grad_and_value(
+                    self.sharded_loss, grain=config.grain, seed=config.seed
+                )
         else:
             self.params = params
             self.mine = fr.distributed.shard(params) if self.zero else params
@@ -383,13 +386,13 @@ class Functional:
         k = self.config.accumulate
         # fetched one by one as they are used: the order a no_sync loop draws them in
         micro: Iterator[tuple[torch.Tensor, torch.Tensor]] = (self.data.batch() for _ in range(k))
-        if self.zero == 3:
-            grads, losses = self.accumulate_sharded(micro)
-        elif self.config.grain:  # the global batch, this rank's rows; dropout keyed by grain
+        if self.config.grain:  # the global batch, this rank's rows; dropout keyed by grain
             x, y = self.data.batch()
             rows = self.data.rows
-            grads, loss = self.grad(self.params, x[rows], y[rows])
+            grads, loss = self.grad(self.mine if self.zero == 3 else self.params, x[rows], y[rows])
             losses = [loss]
+        elif self.zero == 3:
+            grads, losses = self.accumulate_sharded(micro)
         else:
             grads, losses = self.grad.accumulate(self.params, micro, count=k)
         if self.zero >= 2:  # this rank's rows: the norm of the full gradient, from every rank's

@@ -4,7 +4,8 @@ The example's loop at ``_gpt_workers.TINY``'s size, dropout on, 5 steps of
 one global batch of 8 sequences cut into grains of 2 (4, 2 and 1 grains a
 rank), one thread a rank (``_dist_workers``' ranks): every rank of every
 world size ends with the same parameters and AdamW state, to the bit, and
-samples the same text, also with ``--zero 2`` (the rows clipped by rows). A
+samples the same text, also with ``--zero 2`` (the rows clipped by rows) and
+``--zero 3`` (the loss through ``apply_sharded``, clipped by rows). A
 run stopped after 2 steps on 2 ranks and resumed on 4 ends as the straight
 run does. Without ``--grain`` the 1-rank and
 2-rank runs end elsewhere, which is what makes the equality a test.
@@ -34,6 +35,8 @@ PLAIN[2] = PLAIN[1].replace("--batch-size 8", "--batch-size 4")
 STOP = 2
 # ZeRO-2: the rows reduce-scattered by halving, clipped by rows (a low --clip: it clips)
 ZERO2 = f"{GRAIN} --zero 2 --clip 0.05"
+# ZeRO-3: the gathers' transposes sum the ranks' rows grain by grain (bits of their own)
+ZERO3 = f"{GRAIN} --zero 3 --clip 0.05"
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +44,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, list[A
     saved = tmp_path_factory.mktemp("gpt-grain") / "two-ranks.pt"
     stopped = f"{GRAIN} --stop-after {STOP} --checkpoint {saved}"
     names = {
-        2: [GRAIN, PLAIN[2], stopped, ZERO2],
-        4: [GRAIN, f"--resume {saved}", ZERO2],  # after the 2 ranks' job, which wrote it
-        1: [GRAIN, PLAIN[1], ZERO2],
+        2: [GRAIN, PLAIN[2], stopped, ZERO2, ZERO3],
+        4: [GRAIN, f"--resume {saved}", ZERO2, ZERO3],  # after the 2 ranks' job, which wrote it
+        1: [GRAIN, PLAIN[1], ZERO2, ZERO3],
     }
     jobs = {
         world: spawn(todo, target=g.main, world=world, pg_timeout=30.0, deadline=120.0)
@@ -88,6 +91,15 @@ def test_zero2_with_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs):
             assert result["sample"] == one["sample"]
 
 
+def test_zero3_with_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs):
+    (one,) = ok(runs[1], ZERO3)
+    assert not same_bits(one, ok(runs[1], ZERO2)[0])  # its own tree: the ranks' grains first
+    for world in (1, 2, 4):
+        for rank, result in enumerate(ok(runs[world], ZERO3)):
+            assert same_bits(result, one), f"--zero 3: rank {rank} of {world} differs from 1 rank"
+            assert result["sample"] == one["sample"]
+
+
 def test_a_run_stopped_on_2_ranks_resumes_on_4(runs):
     (whole,) = ok(runs[1], GRAIN)
     for first, rest in zip(ok(runs[2], "stopped"), ok(runs[4], "resumed")):
@@ -109,7 +121,6 @@ def test_grain_refuses_what_it_does_not_run():
     for options, named in [
         ("--grain 2 --accumulate 2", "--accumulate 2"),
         ("--grain 2 --accumulate 1 --ddp", "--ddp"),
-        ("--grain 2 --accumulate 1 --zero 3", "--zero 3"),
         ("--grain 2 --accumulate 1 --compile", "--compile"),
         ("--grain 3 --accumulate 1 --batch-size 8", "power of two of grains"),
         ("--grain 4 --accumulate 1 --batch-size 12", "power of two of grains"),
