@@ -206,9 +206,15 @@ def refusals(rank: int) -> dict[str, Any]:
     def sharded_loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return fr.distributed.apply_sharded(net, fr.State(p, {}), x)[0].square().mean()
 
+    def twice(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return sharded_loss(p, x) + sharded_loss(p, 2 * x)
+
     out: dict[str, Any] = {}
     three = dist.new_group([0, 1, 2])  # collective: every rank makes it
     cases = {
+        "zero3_twice": lambda: fr.distributed.grad_and_value(twice, grain=4)(
+            shards, torch.randn(8, 16)
+        ),
         "zero3_outside": lambda: fr.distributed.grad_and_value(outside, grain=4)(
             {"net": shards, "extra": extra}, torch.randn(8, 16)
         ),

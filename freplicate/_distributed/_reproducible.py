@@ -174,7 +174,7 @@ class Gathering:
     by identity, for ``check``.
     """
 
-    __slots__ = ("caller", "gathered", "group", "inputs", "scale", "seen", "world")
+    __slots__ = ("caller", "gathered", "group", "inputs", "scale", "seen", "twice", "world")
 
     def __init__(self, caller: str, world: int, group: Any) -> None:
         self.caller, self.world, self.group = caller, world, group
@@ -186,6 +186,12 @@ class Gathering:
         self.seen = False
         self.inputs: list[int | None] = []  # the differentiated tensors, as the loss gets them
         self.gathered: set[int] = set()  # those the gathers took
+        self.twice: set[int] = set()  # those they took more than once
+
+    def took(self, shards: Sequence[torch.Tensor]) -> None:
+        """A gather (with a graph) took ``shards``."""
+        for i in map(id, shards):
+            (self.twice if i in self.gathered else self.gathered).add(i)
 
     def check(self, sharded: bool | None, leaves: list[Any], spec: Any) -> None:
         """Every grain alike: all through ``apply_sharded`` or none; and then (on more than one
@@ -199,6 +205,14 @@ class Gathering:
             )
         if not sharded or self.world <= 1:
             return
+        for k, i in enumerate(self.inputs):
+            if i in self.twice:
+                raise ValueError(
+                    f"{self.caller}: with grain=, the shard at {paths_of(spec)[k]} was gathered "
+                    "twice in one grain (apply_sharded called twice on it): its two gradients "
+                    "would each be summed over the ranks, outside the grains' fixed tree; run "
+                    "the model once a grain"
+                )
         for k, (t, i) in enumerate(zip(leaves, self.inputs)):
             if isinstance(t, torch.Tensor) and i not in self.gathered and t.any():
                 raise ValueError(

@@ -291,7 +291,7 @@ class _Gathered(torch.autograd.Function):
         ctx.grain = gathering()  # a reproducible step's grain (read here: a CUDA backward
         # runs on autograd's own thread)
         if ctx.grain is not None:
-            ctx.grain.gathered.update(map(id, shards))
+            ctx.grain.took(shards)
         ctx.mark_non_differentiable(
             *(o for o in output if not (o.is_floating_point() or o.is_complex()))
         )
