@@ -448,30 +448,40 @@ class Grains:
             )
         *grads, loss = summed
         if sharded is not None:  # ZeRO-3: reduced over the ranks already, grain by grain
-            if self.shard:
-                raise ValueError(
-                    f"{caller}: shard=True gives ZeRO-2's rows of replicated parameters; a loss "
-                    "through fr.distributed.apply_sharded differentiates the shards, whose "
-                    "gradients are rows already: leave out shard=True"
-                )
+            grads = self._sharded(grads, sharded, m, rank, world, group, weight)
+        else:
+            reduce = _scattered if self.shard else _reduced
             if weight is None:
-                grads = _mean(grads, m * world if op == "mean" else None)
-            else:
-                grads = _divided(grads, _weights_sum(sharded, rank, world, group, caller))
-            value = loss / m
-            out = optree.tree_unflatten(spec, grads)
-            whole = (value, [v[1] for v in values]) if has_aux else value
-            return out, whole, _per_batch(values, cuts, has_aux)
-        reduce = _scattered if self.shard else _reduced
-        if weight is None:
-            grads = reduce(grads, rank, world, group, m * world, op, caller)
-        else:  # the weights' sum rides as the last leaf (float64), reduced in the same tree
-            *grads, total = reduce(grads, rank, world, group, None, "sum", caller)
-            grads = _divided(grads, float(total))
+                grads = reduce(grads, rank, world, group, m * world, op, caller)
+            else:  # the weights' sum rides as the last leaf (float64), reduced in the same tree
+                *grads, total = reduce(grads, rank, world, group, None, "sum", caller)
+                grads = _divided(grads, float(total))
         value = loss / m  # this rank's mean of its grains' values, not reduced
         out = optree.tree_unflatten(spec, grads)
         whole = (value, [v[1] for v in values]) if has_aux else value
         return out, whole, _per_batch(values, cuts, has_aux)
+
+    def _sharded(
+        self,
+        grads: list[Any],
+        weights: list[float],
+        m: int,
+        rank: int,
+        world: int,
+        group: Any,
+        weight: Callable[..., Any] | None,
+    ) -> list[Any]:
+        """ZeRO-3's rows, summed over the ranks grain by grain already: the mean (or the
+        weighted mean, its weights summed in the same tree) alone."""
+        if self.shard:
+            raise ValueError(
+                f"{self.caller}: shard=True gives ZeRO-2's rows of replicated parameters; a loss "
+                "through fr.distributed.apply_sharded differentiates the shards, whose "
+                "gradients are rows already: leave out shard=True"
+            )
+        if weight is not None:
+            return _divided(grads, _weights_sum(weights, rank, world, group, self.caller))
+        return _mean(grads, m * world if self.op == "mean" else None)
 
     def seeing(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, telling the running grain (if any) which tensors it differentiates."""
