@@ -1,7 +1,8 @@
 """``grad_and_value(..., grain=)`` on 2 and 4 gloo ranks ends each step with one process's bits.
 
 Drawn modules (``fr.testing.modules``: dropout, BatchNorm, tied and shared
-weights, unused and frozen parameters, several arguments), a global batch of
+weights, unused and frozen parameters, several arguments, keyword arguments,
+buffers, activation checkpointing of every kind), a global batch of
 four grains made from one drawn input (it, twice it, minus it, it plus one:
 four grains of other values), trained two SGD steps by
 ``fr.testing.check_reproducible`` in this process and on pools of 2 and 4
@@ -31,7 +32,10 @@ pytestmark = pytest.mark.skipif(
 
 WORLDS = (2, 4)
 # every kind whose inputs are batch-major tensors (grains cut every tensor argument)
-KINDS = ["mlp", "conv", "batchnorm", "tied", "nested", "unused", "positional", "shared", "dropout"]
+KINDS = [
+    "mlp", "conv", "batchnorm", "tied", "nested", "unused", "positional", "shared", "dropout",
+    "checkpoint", "keywords", "buffers", "reassigned",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")

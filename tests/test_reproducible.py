@@ -247,7 +247,7 @@ def test_refusals_on_four_ranks(jobs):
         assert got["zero3_outside"][:2] == ("raised", "ValueError")
         assert "the one at ['extra'] is used outside them" in got["zero3_outside"][2]
         assert got["zero3_twice"][:2] == ("raised", "ValueError")
-        assert "was gathered twice in one grain" in got["zero3_twice"][2]
+        assert "was gathered for two uses in one grain" in got["zero3_twice"][2]
         assert got["zero3_shard"][:2] == ("raised", "ValueError")
         assert "leave out shard=True" in got["zero3_shard"][2]
         assert got["after"][0] == "returned"  # the group goes on after every refusal

@@ -174,7 +174,9 @@ class Gathering:
     by identity, for ``check``.
     """
 
-    __slots__ = ("caller", "gathered", "group", "inputs", "scale", "seen", "twice", "world")
+    __slots__ = (
+        "caller", "gathered", "group", "inputs", "reduced", "scale", "seen", "twice", "world",
+    )  # fmt: skip
 
     def __init__(self, caller: str, world: int, group: Any) -> None:
         self.caller, self.world, self.group = caller, world, group
@@ -186,12 +188,20 @@ class Gathering:
         self.seen = False
         self.inputs: list[int | None] = []  # the differentiated tensors, as the loss gets them
         self.gathered: set[int] = set()  # those the gathers took
-        self.twice: set[int] = set()  # those they took more than once
+        self.reduced: set[int] = set()  # those whose gradient a transpose gave
+        self.twice: set[int] = set()  # those two transposes gave one
 
-    def took(self, shards: Sequence[torch.Tensor]) -> None:
-        """A gather (with a graph) took ``shards``."""
-        for i in map(id, shards):
-            (self.twice if i in self.gathered else self.gathered).add(i)
+    def took(self, shards: Sequence[torch.Tensor]) -> list[int]:
+        """A gather (with a graph) took ``shards``: their identities, for its transpose."""
+        ids = list(map(id, shards))
+        self.gathered.update(ids)
+        return ids
+
+    def gave(self, ids: Sequence[int]) -> None:
+        """A transpose gave the gradients of the shards ``ids`` (a gather's recomputation under
+        activation checkpointing takes them again, but its graph is not differentiated)."""
+        for i in ids:
+            (self.twice if i in self.reduced else self.reduced).add(i)
 
     def check(self, sharded: bool | None, leaves: list[Any], spec: Any) -> None:
         """Every grain alike: all through ``apply_sharded`` or none; and then (on more than one
@@ -209,7 +219,7 @@ class Gathering:
             if i in self.twice:
                 raise ValueError(
                     f"{self.caller}: with grain=, the shard at {paths_of(spec)[k]} was gathered "
-                    "twice in one grain (apply_sharded called twice on it): its two gradients "
+                    "for two uses in one grain (apply_sharded called twice on it): their gradients "
                     "would each be summed over the ranks, outside the grains' fixed tree; run "
                     "the model once a grain"
                 )

@@ -290,8 +290,7 @@ class _Gathered(torch.autograd.Function):
         ctx.replicate = replicate
         ctx.grain = gathering()  # a reproducible step's grain (read here: a CUDA backward
         # runs on autograd's own thread)
-        if ctx.grain is not None:
-            ctx.grain.took(shards)
+        ctx.ids = None if ctx.grain is None else ctx.grain.took(shards)
         ctx.mark_non_differentiable(
             *(o for o in output if not (o.is_floating_point() or o.is_complex()))
         )
@@ -302,6 +301,7 @@ class _Gathered(torch.autograd.Function):
         cts = tuple(cast(c, ctx.reduce) for c in cts)  # the policy's reduce_dtype on the wire
         if ctx.grain is not None:  # grain=: the ranks' rows summed in the fixed tree
             grads = ctx.grain.rows(ctx.spec, cts, ctx.inputs, wanted)
+            ctx.grain.gave([ctx.ids[k] for k in wanted])
         else:
             grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
         if ctx.replicate is not None and wanted:  # HSDP: the rows reduced over the replicas
