@@ -28,7 +28,16 @@ from ._torch import foreach_mul, foreach_norm, foreach_supported, groups_by_devi
 from ._tree import flatten_in_order, paths_of, unflatten
 from ._typing import T, TensorTree
 
-__all__ = ["clip_grad_norm", "clip_with_norm", "norm_pieces", "unrounded_norms"]
+__all__ = [
+    "clip_grad_norm",
+    "clip_with_norm",
+    "dtype_groups",
+    "gradient_leaves",
+    "max_norm_of",
+    "norm_pieces",
+    "norm_type_of",
+    "unrounded_norms",
+]
 
 _CALLER = "fr.clip_grad_norm"
 
@@ -41,7 +50,7 @@ _ACCUMULATOR = {
 }
 
 
-def _groups(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int]]]:
+def dtype_groups(tensors: list[torch.Tensor]) -> list[tuple[list[torch.Tensor], list[int]]]:
     """``tensors`` split by (device, dtype), with their positions, in torch's order of groups."""
     return groups_by_device_and_dtype(tensors)
 
@@ -50,7 +59,9 @@ def _foreach(tensors: list[torch.Tensor]) -> bool:
     return foreach_supported(tensors)
 
 
-def _gradients(grads: Any, caller: str, p: float | None = None) -> tuple[list[Any], Any, list[int]]:
+def gradient_leaves(
+    grads: Any, caller: str, p: float | None = None
+) -> tuple[list[Any], Any, list[int]]:
     """``(leaves, spec, at)``: the leaves in insertion order, and the positions of the tensors.
 
     Raises ``TypeError`` naming the path of a leaf that no gradient can be,
@@ -82,7 +93,7 @@ def _gradients(grads: Any, caller: str, p: float | None = None) -> tuple[list[An
 def _stacked_norms(tensors: list[torch.Tensor], p: float) -> torch.Tensor:
     # torch's _get_total_norm up to its last vector_norm
     norms: list[torch.Tensor] = []
-    for group, _ in _groups(tensors):
+    for group, _ in dtype_groups(tensors):
         if _foreach(group):
             norms.extend(foreach_norm(group, p))
         else:
@@ -116,7 +127,7 @@ def unrounded_norms(tensors: list[torch.Tensor], p: float) -> list[torch.Tensor]
         One 0-dim tensor per tensor, in their order, each on its tensor's device.
     """
     out: list[Any] = [None] * len(tensors)
-    for group, idx in _groups(tensors):
+    for group, idx in dtype_groups(tensors):
         accumulator = _ACCUMULATOR.get(group[0].dtype)
         if accumulator is not None:
             norms = [torch.linalg.vector_norm(g, p, dtype=accumulator) for g in group]
@@ -133,7 +144,7 @@ def _scaled(tensors: list[torch.Tensor], limit: float, total: torch.Tensor) -> l
     # torch's _clip_grads_with_norm_, with _foreach_mul for _foreach_mul_ and mul for mul_
     coef = torch.clamp(limit / (total + 1e-6), max=1.0)
     out: list[Any] = [None] * len(tensors)
-    for group, idx in _groups(tensors):
+    for group, idx in dtype_groups(tensors):
         here = coef.to(group[0].device)
         done = foreach_mul(group, here) if _foreach(group) else [g.mul(here) for g in group]
         for k, t in zip(idx, done):
@@ -144,7 +155,7 @@ def _scaled(tensors: list[torch.Tensor], limit: float, total: torch.Tensor) -> l
     return out
 
 
-def _norm_type(caller: str, norm_type: Any) -> float:
+def norm_type_of(caller: str, norm_type: Any) -> float:
     # torch takes whatever float() takes ('inf' included); a bool is a mistake
     try:
         if isinstance(norm_type, bool):
@@ -186,8 +197,8 @@ def norm_pieces(
         ValueError: an empty tensor leaf where ``norm_type`` is infinite or
             negative (naming its path).
     """
-    p = _norm_type(caller, norm_type)
-    leaves, _, at = _gradients(grads, caller, p)
+    p = norm_type_of(caller, norm_type)
+    leaves, _, at = gradient_leaves(grads, caller, p)
     if not at:
         return torch.zeros(0)
     with torch.no_grad():
@@ -222,8 +233,8 @@ def clip_with_norm(
             ``max_norm`` that is not a number.
         ValueError: a negative or NaN ``max_norm``.
     """
-    limit = _max_norm(caller, max_norm)
-    leaves, spec, at = _gradients(grads, caller)
+    limit = max_norm_of(caller, max_norm)
+    leaves, spec, at = gradient_leaves(grads, caller)
     return _rebuilt(leaves, spec, at, limit, total_norm)
 
 
@@ -236,7 +247,7 @@ def _rebuilt(leaves: list[Any], spec: Any, at: list[int], limit: float, total: t
     return unflatten(spec, out)
 
 
-def _max_norm(caller: str, max_norm: Any) -> float:
+def max_norm_of(caller: str, max_norm: Any) -> float:
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
         raise TypeError(
             f"{caller}: max_norm must be a number, got {max_norm!r} of type {type(max_norm).__name__}"
@@ -300,9 +311,9 @@ def clip_grad_norm(grads: T, max_norm: float, *, norm_type: float = 2.0) -> tupl
         ValueError: a negative or NaN ``max_norm``; an empty tensor leaf where
             ``norm_type`` is infinite or negative (naming its path; torch raises too).
     """
-    limit = _max_norm(_CALLER, max_norm)
-    p = _norm_type(_CALLER, norm_type)
-    leaves, spec, at = _gradients(grads, _CALLER, p)
+    limit = max_norm_of(_CALLER, max_norm)
+    p = norm_type_of(_CALLER, norm_type)
+    leaves, spec, at = gradient_leaves(grads, _CALLER, p)
     if not at:
         return unflatten(spec, leaves), torch.tensor(0.0)
     with torch.no_grad():

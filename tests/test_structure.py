@@ -3,7 +3,8 @@
 These read the package itself (fresh interpreters, its source files):
 nothing of the compiler at import, one change to torch's load allowlist,
 no exception classified by its message, no import circle inside
-``_distributed``, and its functions kept small.
+``_distributed``, no private name imported from another module, and its
+functions kept small.
 """
 
 from __future__ import annotations
@@ -132,6 +133,27 @@ def test_distributed_has_no_import_circle() -> None:
 
     for node in sorted(graph):
         visit(node, [])
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    # a module's underscored names are its own: what another module needs is named without one
+    # (private modules themselves, ``from . import _flags``, are the package's to share)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = path.parent
+            for _ in range(node.level - 1):
+                base = base.parent
+            target = base.joinpath(*node.module.split(".")) if node.module else base
+            for alias in node.names:
+                name = alias.name
+                if not name.startswith("_") or name.startswith("__"):
+                    continue
+                if not ((target / f"{name}.py").exists() or (target / name).is_dir()):
+                    found.append(f"{path.relative_to(ROOT)}: {name} from {node.module}")
+    assert found == [], found
 
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "_distributed").glob("*.py")), ids=lambda p: p.name)

@@ -32,12 +32,12 @@ import torch
 import torch.distributed as dist
 
 from .._clip import (
-    _gradients,
-    _groups,
-    _max_norm,
-    _norm_type,
     clip_with_norm,
+    dtype_groups,
+    gradient_leaves,
+    max_norm_of,
     norm_pieces,
+    norm_type_of,
     unrounded_norms,
 )
 from .._typing import T
@@ -137,9 +137,11 @@ def clip_grad_norm(
         ValueError: a negative or NaN ``max_norm``; ranks whose trees have
             different numbers of tensor leaves (on every rank).
     """
-    limit = _max_norm(_CALLER, max_norm)
-    p = _norm_type(_CALLER, norm_type)
-    leaves, _, at = _gradients(shards, _CALLER)  # every rank checks alike, before the collective
+    limit = max_norm_of(_CALLER, max_norm)
+    p = norm_type_of(_CALLER, norm_type)
+    leaves, _, at = gradient_leaves(
+        shards, _CALLER
+    )  # every rank checks alike, before the collective
     world = world_size(group, _CALLER)
     tensors: list[torch.Tensor] = [leaves[i] for i in at]
     if reproducible:
@@ -194,7 +196,8 @@ def _by_rows(tensors: list[torch.Tensor], p: float, group: Any, world: int) -> t
         per.append(_combined(c.to(device).unsqueeze(1), p)[0])
     norms, dtype = torch.stack(per), _norm_dtype(tensors)
     stacked = [
-        norms[idx].to(_REAL.get(g[0].dtype, g[0].dtype)).to(dtype) for g, idx in _groups(tensors)
+        norms[idx].to(_REAL.get(g[0].dtype, g[0].dtype)).to(dtype)
+        for g, idx in dtype_groups(tensors)
     ]
     return torch.linalg.vector_norm(torch.cat(stacked), p)
 
@@ -273,7 +276,7 @@ def _total(everyone: torch.Tensor, tensors: list[torch.Tensor], p: float) -> tor
     norms, dtype = _combined(everyone, p), _norm_dtype(tensors)
     stacked = [
         norms[idx].to(_REAL.get(group[0].dtype, group[0].dtype)).to(dtype)
-        for group, idx in _groups(tensors)
+        for group, idx in dtype_groups(tensors)
     ]
     return torch.linalg.vector_norm(torch.cat(stacked), p)
 
