@@ -215,6 +215,10 @@ def refusals(rank: int) -> dict[str, Any]:
         "zero3_twice": lambda: fr.distributed.grad_and_value(twice, grain=4)(
             shards, torch.randn(8, 16)
         ),
+        # rank 1's batch does not cut into grains: said before any grain gathers, not a hang
+        "zero3_bad_batch": lambda: fr.distributed.grad_and_value(sharded_loss, grain=4)(
+            shards, torch.randn(6 if rank == 1 else 8, 16)
+        ),
         "zero3_outside": lambda: fr.distributed.grad_and_value(outside, grain=4)(
             {"net": shards, "extra": extra}, torch.randn(8, 16)
         ),

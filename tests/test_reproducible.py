@@ -248,6 +248,12 @@ def test_refusals_on_four_ranks(jobs):
         assert "the one at ['extra'] is used outside them" in got["zero3_outside"][2]
         assert got["zero3_twice"][:2] == ("raised", "ValueError")
         assert "was gathered for two uses in one grain" in got["zero3_twice"][2]
+        if rank == 1:  # its own error; the others hear of it before the grains run
+            assert got["zero3_bad_batch"][:2] == ("raised", "ValueError")
+            assert "does not divide this rank's batch of 6 samples" in got["zero3_bad_batch"][2]
+        else:
+            assert got["zero3_bad_batch"][:2] == ("raised", "RuntimeError")
+            assert "rank 1 raised in its grains" in got["zero3_bad_batch"][2]
         assert got["zero3_shard"][:2] == ("raised", "ValueError")
         assert "leave out shard=True" in got["zero3_shard"][2]
         assert got["after"][0] == "returned"  # the group goes on after every refusal

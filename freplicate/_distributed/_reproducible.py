@@ -325,20 +325,6 @@ def _running(now: Gathering) -> Iterator[None]:
         _NOW.grain = before
 
 
-def _agree_grains(caller: str, group: Any, m: int) -> None:
-    """ZeRO-3's grains exchange rows grain by grain: the ranks agree on how many there are
-    after the first (every rank has one), before a rank that holds fewer would wait alone."""
-    info = torch.tensor([m, -m], dtype=torch.int64, device=comm_device(group))
-    with collective(caller):
-        dist.all_reduce(info, op=dist.ReduceOp.MAX, group=group)
-    hi, lo = (int(v) for v in info)
-    if hi != -lo:
-        raise ValueError(
-            f"{caller}: ranks hold different numbers of grains ({-lo} to {hi}); grain= needs "
-            "the same batch size on every rank"
-        )
-
-
 def _mean(leaves: list[Any], total: int | None) -> list[Any]:
     """Each floating leaf over ``total`` (``None``: the sum, as it is)."""
     if not total:
@@ -421,22 +407,16 @@ class Grains:
             n = self._refuse(args, kwargs, world)
         rank = dist.get_rank(group) if world > 1 else 0
         step, self.step = self.step, self.step + 1
+        cuts, weights, m = self._before(batches, n, world, group, rank, weight, failed)
         error: BaseException | None = None
         summed: list[Any] = []
         spec: Any = None
         values: list[Any] = []
         sharded: list[float] | None = None  # ZeRO-3: each grain's weight
-        m = 0
-        cuts: list[Any] = []
         try:
-            if failed is not None:
-                raise failed
-            cuts = [_cut(args, kwargs, n, self.grain, caller) for args, kwargs in batches]
-            m = sum(k for k, _ in cuts)
-            if _power_of_two(m):  # else refused below, on every rank alike
-                summed, spec, values, sharded = self._grains(
-                    local, cuts, m, rank, world, group, step, weight
-                )
+            summed, spec, values, sharded = self._grains(
+                local, cuts, m, rank, world, group, step, weights
+            )
         except BaseException as err:  # announced to the peers before it propagates
             error = err
         sizes = [t.numel() for t in summed[:-1] if isinstance(t, torch.Tensor)]
@@ -449,13 +429,6 @@ class Grains:
             _agree(caller, group, rank, error, m, sum(sizes), sum(sums) % (1 << 62))
         if error is not None:
             raise error
-        if not _power_of_two(m):
-            raise ValueError(
-                f"{caller}: grain={self.grain} cuts this rank's batch into {m} grains; the "
-                "grains per rank must be a power of two (1, 2, 4, ...) for the rank's sum to "
-                "be a node of the one-process tree: give each rank a batch of grain * 2**k "
-                "samples"
-            )
         *grads, loss = summed
         if sharded is not None:  # ZeRO-3: reduced over the ranks already, grain by grain
             grads = self._sharded(grads, sharded, m, rank, world, group, weight)
@@ -492,6 +465,49 @@ class Grains:
         if weight is not None:
             return _divided(grads, _weights_sum(weights, rank, world, group, self.caller))
         return _mean(grads, m * world if self.op == "mean" else None)
+
+    def _before(
+        self,
+        batches: list[tuple[tuple[Any, ...], dict[str, Any]]],
+        n: int,
+        world: int,
+        group: Any,
+        rank: int,
+        weight: Callable[..., Any] | None,
+        failed: BaseException | None,
+    ) -> tuple[list[Any], list[float] | None, int]:
+        """The batches' grains (their cuts), each grain's weight, and how many: agreed with the
+        peers before any grain runs (ZeRO-3's grains exchange rows as they run, so a rank
+        whose batch or weights fail must say so first, or its peers would wait in a grain)."""
+        error: BaseException | None = None
+        cuts: list[Any] = []
+        weights: list[float] | None = None
+        m = 0
+        try:
+            if failed is not None:
+                raise failed
+            cuts = [_cut(args, kwargs, n, self.grain, self.caller) for args, kwargs in batches]
+            m = sum(k for k, _ in cuts)
+            if weight is not None:
+                weights = [
+                    weight_value(self.caller, weight(*args, **kwargs), "weight(*grain)")
+                    for count, cut in cuts
+                    for args, kwargs in map(cut, range(count))
+                ]
+        except BaseException as err:  # announced to the peers before it propagates
+            error = err
+        if world > 1:
+            _agree(self.caller, group, rank, error, m, 0, 0)
+        if error is not None:
+            raise error
+        if not _power_of_two(m):
+            raise ValueError(
+                f"{self.caller}: grain={self.grain} cuts this rank's batch into {m} grains; the "
+                "grains per rank must be a power of two (1, 2, 4, ...) for the rank's sum to "
+                "be a node of the one-process tree: give each rank a batch of grain * 2**k "
+                "samples"
+            )
+        return cuts, weights, m
 
     def seeing(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn``, telling the running grain (if any) which tensors it differentiates."""
@@ -538,17 +554,16 @@ class Grains:
         world: int,
         group: Any,
         step: int,
-        weight: Callable[..., Any] | None,
+        weights: list[float] | None,
     ) -> tuple[list[Any], Any, list[Any], list[float] | None]:
         """The rank's ``m`` grains, each alone, summed by the binary counter (value last; with
-        ``weight``, each gradient times its grain's weight, and the weight before the value);
+        ``weights``, each gradient times its grain's weight, and the weight before the value);
         each grain's value (``(value, aux)`` with ``has_aux``), in the grains' order; and, where
         the loss went through ``apply_sharded`` (ZeRO-3: the grains then run in bit-reversed
         order, their gradients reduced over the ranks in their gathers' transposes), each
         grain's weight (``None`` otherwise)."""
         spec: Any = None
         values: list[Any] = [None] * m
-        weights: list[float] = [1.0] * m
         has_aux = self.has_aux
         grains = [(cut, k) for count, cut in cuts for k in range(count)]
         now = Gathering(self.caller, world, group)
@@ -560,10 +575,7 @@ class Grains:
                 i = bitrev(j, m) if sharded else j  # bitrev(0) == 0: the first grain is alike
                 cut, k = grains[i]
                 args, kwargs = cut(k)
-                w = None
-                if weight is not None:
-                    w = weight_value(self.caller, weight(*args, **kwargs), "weight(*grain)")
-                    weights[i] = w
+                w = None if weights is None else weights[i]
                 now.start(w)
                 with _keyed(grain_seed(self.seed, step, rank * m + i), args, kwargs), _running(now):
                     grads, value = local(*args, **kwargs)
@@ -574,8 +586,6 @@ class Grains:
                 _refuse_sparse(leaves, spec, self.caller)
                 if sharded is None:
                     sharded = now.seen
-                    if sharded and world > 1:
-                        _agree_grains(self.caller, group, m)
                 now.check(sharded, leaves, spec)
                 if sharded and w is not None and world == 1:  # no gather: scaled here
                     leaves = _scaled(leaves, w)
@@ -585,7 +595,7 @@ class Grains:
                 yield [*_scaled(leaves, w), torch.tensor(w, dtype=torch.float64), value.detach()]
 
         summed = tree_sum(parts())
-        return summed, spec, values, weights if sharded else None
+        return summed, spec, values, (weights or [1.0] * m) if sharded else None
 
 
 def _scaled(leaves: list[Any], w: float) -> list[Any]:
