@@ -387,8 +387,13 @@ def odd_zero3(rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
 
     x, y = batch(1)
     rows = BATCH // world
+    x, y = x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows]
+    given = [*shards.values(), *frozen.values(), x, y]  # no input written (``_version``)
+    versions, before = [t._version for t in given], [t.clone() for t in given]
     step = fr.distributed.grad_and_value(loss_fn, grain=GRAIN, seed=SEED)
-    grads, _ = step(shards, x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows])
+    grads, _ = step(shards, x, y)
+    assert [t._version for t in given] == versions
+    assert all(map(torch.equal, given, before))
     return fr.distributed.all_gather(grads, {k: params[k] for k in grads})
 
 

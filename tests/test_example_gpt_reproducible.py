@@ -81,22 +81,22 @@ def test_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs):
     assert rank0["loss"] != rank1["loss"]
 
 
-def test_zero2_with_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs):
-    # parameters gathered, optimizer state gathered from every rank's rows, clipped by rows
-    (one,) = ok(runs[1], ZERO2)
-    assert not same_bits(one, ok(runs[1], GRAIN)[0])  # another run: clipped at 0.05
+@pytest.mark.parametrize(
+    ("line", "other"),
+    [
+        # ZeRO-2: parameters gathered, optimizer state gathered from every rank's rows, clipped
+        # by rows (another run than GRAIN's: clipped at 0.05)
+        pytest.param(ZERO2, GRAIN, id="zero2"),
+        # ZeRO-3: the loss through apply_sharded (its own tree: the ranks' grains first)
+        pytest.param(ZERO3, ZERO2, id="zero3"),
+    ],
+)
+def test_sharded_with_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs, line, other):
+    (one,) = ok(runs[1], line)
+    assert not same_bits(one, ok(runs[1], other)[0])
     for world in (1, 2, 4):
-        for rank, result in enumerate(ok(runs[world], ZERO2)):
-            assert same_bits(result, one), f"--zero 2: rank {rank} of {world} differs from 1 rank"
-            assert result["sample"] == one["sample"]
-
-
-def test_zero3_with_grain_ends_with_the_same_bits_on_1_2_and_4_ranks(runs):
-    (one,) = ok(runs[1], ZERO3)
-    assert not same_bits(one, ok(runs[1], ZERO2)[0])  # its own tree: the ranks' grains first
-    for world in (1, 2, 4):
-        for rank, result in enumerate(ok(runs[world], ZERO3)):
-            assert same_bits(result, one), f"--zero 3: rank {rank} of {world} differs from 1 rank"
+        for rank, result in enumerate(ok(runs[world], line)):
+            assert same_bits(result, one), f"{line}: rank {rank} of {world} differs from 1 rank"
             assert result["sample"] == one["sample"]
 
 

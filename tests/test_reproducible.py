@@ -237,27 +237,27 @@ def test_refusals_on_four_ranks(jobs):
                 "fr.distributed.grad_and_value: rank 1 raised in its grains (see its error)",
             )
         # accumulate: rank 1 draws 1 micro-batch of count=2, and says so in the call (no timeout)
-        if rank == 1:
-            assert got["short"][:2] == ("raised", "ValueError")
-            assert "yielded 1 micro-batch(es), count=2" in got["short"][2]
-        else:
-            assert got["short"][:2] == ("raised", "RuntimeError")
-            assert "rank 1 raised in its grains" in got["short"][2]
+        _own_or_heard(got["short"], rank, "yielded 1 micro-batch(es), count=2")
         # ZeRO-3: a differentiated tensor outside the shards (its gradient this rank's alone)
         assert got["zero3_outside"][:2] == ("raised", "ValueError")
         assert "the one at ['extra'] is used outside them" in got["zero3_outside"][2]
         assert got["zero3_twice"][:2] == ("raised", "ValueError")
         assert "was gathered for two uses in one grain" in got["zero3_twice"][2]
-        if rank == 1:  # its own error; the others hear of it before the grains run
-            assert got["zero3_bad_batch"][:2] == ("raised", "ValueError")
-            assert "does not divide this rank's batch of 6 samples" in got["zero3_bad_batch"][2]
-        else:
-            assert got["zero3_bad_batch"][:2] == ("raised", "RuntimeError")
-            assert "rank 1 raised in its grains" in got["zero3_bad_batch"][2]
+        # rank 1's batch does not cut into grains: heard before any grain gathers (no timeout)
+        _own_or_heard(got["zero3_bad_batch"], rank, "does not divide this rank's batch of 6")
         assert got["zero3_shard"][:2] == ("raised", "ValueError")
         assert "leave out shard=True" in got["zero3_shard"][2]
         assert got["after"][0] == "returned"  # the group goes on after every refusal
         fr.testing.assert_trees_close(got["after"][1], results[0]["after"][1], rtol=0, atol=0)
+
+
+def _own_or_heard(got: Any, rank: int, own: str) -> None:
+    """Rank 1 raised its own ``ValueError`` (saying ``own``); every other rank heard of it."""
+    if rank == 1:
+        assert got[:2] == ("raised", "ValueError") and own in got[2], got
+    else:
+        assert got[:2] == ("raised", "RuntimeError"), got
+        assert "rank 1 raised in its grains" in got[2], got
 
 
 # --- one process: the tree, the draws, the options ---------------------------------------------

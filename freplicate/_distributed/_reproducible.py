@@ -174,12 +174,10 @@ class Gathering:
     by identity, for ``check``.
     """
 
-    __slots__ = (
-        "caller", "gathered", "group", "inputs", "reduced", "scale", "seen", "twice", "world",
-    )  # fmt: skip
+    __slots__ = ("caller", "gathered", "inputs", "reduced", "scale", "seen", "world")
 
-    def __init__(self, caller: str, world: int, group: Any) -> None:
-        self.caller, self.world, self.group = caller, world, group
+    def __init__(self, caller: str, world: int) -> None:
+        self.caller, self.world = caller, world
         self.start(None)
 
     def start(self, scale: float | None) -> None:
@@ -188,8 +186,7 @@ class Gathering:
         self.seen = False
         self.inputs: list[int | None] = []  # the differentiated tensors, as the loss gets them
         self.gathered: set[int] = set()  # those the gathers took
-        self.reduced: set[int] = set()  # those whose gradient a transpose gave
-        self.twice: set[int] = set()  # those two transposes gave one
+        self.reduced: dict[int, int] = {}  # those whose gradient a transpose gave: how often
 
     def took(self, shards: Sequence[torch.Tensor]) -> list[int]:
         """A gather (with a graph) took ``shards``: their identities, for its transpose."""
@@ -201,7 +198,7 @@ class Gathering:
         """A transpose gave the gradients of the shards ``ids`` (a gather's recomputation under
         activation checkpointing takes them again, but its graph is not differentiated)."""
         for i in ids:
-            (self.twice if i in self.reduced else self.reduced).add(i)
+            self.reduced[i] = self.reduced.get(i, 0) + 1
 
     def check(self, sharded: bool | None, leaves: list[Any], spec: Any) -> None:
         """Every grain alike: all through ``apply_sharded`` or none; and then (on more than one
@@ -215,15 +212,14 @@ class Gathering:
             )
         if not sharded or self.world <= 1:
             return
-        for k, i in enumerate(self.inputs):
-            if i in self.twice:
+        for k, (t, i) in enumerate(zip(leaves, self.inputs)):
+            if self.reduced.get(i, 0) > 1:  # type: ignore[arg-type]
                 raise ValueError(
                     f"{self.caller}: with grain=, the shard at {paths_of(spec)[k]} was gathered "
-                    "for two uses in one grain (apply_sharded called twice on it): their gradients "
-                    "would each be summed over the ranks, outside the grains' fixed tree; run "
-                    "the model once a grain"
+                    "for two uses in one grain (apply_sharded called twice on it): their "
+                    "gradients would each be summed over the ranks, outside the grains' fixed "
+                    "tree; run the model once a grain"
                 )
-        for k, (t, i) in enumerate(zip(leaves, self.inputs)):
             if isinstance(t, torch.Tensor) and i not in self.gathered and t.any():
                 raise ValueError(
                     f"{self.caller}: with grain= and fr.distributed.apply_sharded, every "
@@ -256,36 +252,18 @@ class Gathering:
         for members in group_by(wanted, lambda k: device_dtype(cts[k])).values():
             ks = [wanted[i] for i in members]
             ts = [cts[k] for k in ks]
-            rows = [None if wholes[k] else -(-t.shape[0] // world) for k, t in zip(ks, ts)]
-            shapes = tuple(
-                t.shape if c is None else torch.Size((c, *t.shape[1:])) for c, t in zip(rows, ts)
+            send, layout, rows = _blocks(
+                ts, [wholes[k] for k in ks], world, lambda q: q, self.scale
             )
-            orders = tuple(_rows_outside(memory_order(t)) for t in ts)
-            numels = tuple(s.numel() for s in shapes)
-            layout = Layout(shapes, numels, ts[0].dtype, ts[0].device, orders, (0,) * len(ts))
             size = layout.size
-            send = torch.zeros(size * world, dtype=layout.dtype, device=layout.device)
+            recv = send
+            if world > 1:
+                recv = torch.empty_like(send)
+                all_to_all(send, recv, group, self.caller)
             with torch.no_grad():
-                for q in range(world):
-                    for c, t, block in zip(
-                        rows, ts, unpack(send[q * size : (q + 1) * size], layout)
-                    ):
-                        src = t if c is None else t[q * c : q * c + valid_rows(c, t.shape[0], q)]
-                        out = block if c is None else block[: src.shape[0]]
-                        if self.scale is None:
-                            out.copy_(src)
-                        else:
-                            torch.mul(src, self.scale, out=out)
-                recv = send
-                if world > 1:
-                    recv = torch.empty_like(send)
-                    all_to_all(send, recv, group, self.caller)
-                blocks = [
-                    recv[q * size : (q + 1) * size] for q in map(_bitrev_of(world), range(world))
-                ]
+                blocks = [recv[bitrev(t, world) * size :][:size] for t in range(world)]
                 (total,) = tree_sum([[b] for b in blocks])
-            for k, c, t, view in zip(ks, rows, ts, unpack(total, layout)):
-                got = view if c is None else view[: valid_rows(c, t.shape[0], rank)]
+            for k, got in zip(ks, _kept(ts, rows, rank, total, layout)):
                 if tuple(got.shape) != tuple(inputs[k][0]):
                     raise ValueError(
                         f"{self.caller}: the shard at {spec.paths[k]} has shape "
@@ -301,10 +279,6 @@ def all_to_all(send: torch.Tensor, recv: torch.Tensor, group: Any, caller: str) 
     block ``q`` (``W`` equal blocks each)."""
     with collective(caller):
         dist.all_to_all_single(recv, send, group=group)
-
-
-def _bitrev_of(world: int) -> Callable[[int], int]:
-    return lambda t: bitrev(t, world)
 
 
 _NOW = threading.local()
@@ -323,18 +297,6 @@ def _running(now: Gathering) -> Iterator[None]:
         yield
     finally:
         _NOW.grain = before
-
-
-def _mean(leaves: list[Any], total: int | None) -> list[Any]:
-    """Each floating leaf over ``total`` (``None``: the sum, as it is)."""
-    if not total:
-        return leaves
-    return [
-        t / total
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
-        else t
-        for t in leaves
-    ]
 
 
 def _weights_sum(weights: list[float], rank: int, world: int, group: Any, caller: str) -> float:
@@ -414,9 +376,7 @@ class Grains:
         values: list[Any] = []
         sharded: list[float] | None = None  # ZeRO-3: each grain's weight
         try:
-            summed, spec, values, sharded = self._grains(
-                local, cuts, m, rank, world, group, step, weights
-            )
+            summed, spec, values, sharded = self._grains(local, cuts, m, rank, world, step, weights)
         except BaseException as err:  # announced to the peers before it propagates
             error = err
         sizes = [t.numel() for t in summed[:-1] if isinstance(t, torch.Tensor)]
@@ -464,7 +424,7 @@ class Grains:
             )
         if weight is not None:
             return _divided(grads, _weights_sum(weights, rank, world, group, self.caller))
-        return _mean(grads, m * world if self.op == "mean" else None)
+        return _divided(grads, m * world) if self.op == "mean" else grads
 
     def _before(
         self,
@@ -552,7 +512,6 @@ class Grains:
         m: int,
         rank: int,
         world: int,
-        group: Any,
         step: int,
         weights: list[float] | None,
     ) -> tuple[list[Any], Any, list[Any], list[float] | None]:
@@ -566,7 +525,7 @@ class Grains:
         values: list[Any] = [None] * m
         has_aux = self.has_aux
         grains = [(cut, k) for count, cut in cuts for k in range(count)]
-        now = Gathering(self.caller, world, group)
+        now = Gathering(self.caller, world)
         sharded: bool | None = None  # the first grain tells: through apply_sharded or not
 
         def parts() -> Iterator[list[Any]]:
@@ -610,7 +569,8 @@ def _scaled(leaves: list[Any], w: float) -> list[Any]:
 
 
 def _divided(leaves: list[Any], total: float) -> list[Any]:
-    """The weighted mean: the sums over the weights' sum (zeros where every weight is 0)."""
+    """The mean: the sums over ``total``, the grains' count or their weights' sum (zeros where
+    every weight is 0)."""
     return [
         (t / total if total else torch.zeros_like(t))
         if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
@@ -851,18 +811,8 @@ def _scattered(
     for members in group_by(rowed, lambda k: device_dtype(leaves[k])).values():
         ks = [rowed[i] for i in members]
         ts = [leaves[k] for k in ks]
-        rows = [-(-t.shape[0] // world) for t in ts]
-        orders = tuple(_rows_outside(memory_order(t)) for t in ts)
-        shapes = tuple(torch.Size((c, *t.shape[1:])) for c, t in zip(rows, ts))
-        numels = tuple(s.numel() for s in shapes)
-        layout = Layout(shapes, numels, ts[0].dtype, ts[0].device, orders, (0,) * len(ts))
+        flat, layout, rows = _blocks(ts, [False] * len(ts), world, lambda q: bitrev(q, world))
         size = layout.size
-        flat = torch.zeros(size * world, dtype=layout.dtype, device=layout.device)
-        for q in range(world):
-            at = bitrev(q, world) * size
-            for c, t, block in zip(rows, ts, unpack(flat[at : at + size], layout)):
-                valid = max(0, min(c, t.shape[0] - q * c))
-                block[:valid].copy_(t[q * c : q * c + valid])
         at = bitrev(rank, world) * size
         if world > 1:
             _, kept = halving(flat, rank, world, group, caller)
@@ -871,9 +821,57 @@ def _scattered(
         del flat
         if op == "mean" and total and (mine.is_floating_point() or mine.is_complex()):
             mine.div_(total)
-        for k, c, t, view in zip(ks, rows, ts, unpack(mine, layout)):
-            out[k] = view[: max(0, min(c, t.shape[0] - rank * c))]
+        for k, view in zip(ks, _kept(ts, rows, rank, mine, layout)):
+            out[k] = view
     return out
+
+
+def _blocks(
+    ts: list[torch.Tensor],
+    wholes: Sequence[bool],
+    world: int,
+    at: Callable[[int], int],
+    scale: float | None = None,
+) -> tuple[torch.Tensor, Layout, list[int | None]]:
+    """One new buffer of ``world`` equal blocks, rank ``q``'s rows of every tensor of ``ts``
+    (one dtype and device; ``fr.distributed.shard``'s rows, ``ceil(d0 / W)``, zero rows after
+    a late rank's last; a whole tensor all of it) at block ``at(q)``, times ``scale`` where
+    given; its layout of one block, and each tensor's rows (``None``: whole). ``ts`` are only
+    read."""
+    rows = [None if whole else -(-t.shape[0] // world) for t, whole in zip(ts, wholes)]
+    shapes = tuple(
+        t.shape if c is None else torch.Size((c, *t.shape[1:])) for c, t in zip(rows, ts)
+    )
+    orders = tuple(_rows_outside(memory_order(t)) for t in ts)
+    numels = tuple(s.numel() for s in shapes)
+    layout = Layout(shapes, numels, ts[0].dtype, ts[0].device, orders, (0,) * len(ts))
+    size = layout.size
+    flat = torch.zeros(size * world, dtype=layout.dtype, device=layout.device)
+    with torch.no_grad():
+        for q in range(world):
+            start = at(q) * size
+            for c, t, block in zip(rows, ts, unpack(flat[start : start + size], layout)):
+                src = t if c is None else t[q * c : q * c + valid_rows(c, t.shape[0], q)]
+                out = block if c is None else block[: src.shape[0]]
+                if scale is None:
+                    out.copy_(src)  # into the new buffer: ``ts`` are only read
+                else:
+                    torch.mul(src, scale, out=out)
+    return flat, layout, rows
+
+
+def _kept(
+    ts: Sequence[torch.Tensor],
+    rows: Sequence[int | None],
+    rank: int,
+    block: torch.Tensor,
+    layout: Layout,
+) -> list[torch.Tensor]:
+    """``rank``'s rows of each of ``ts`` out of its ``block`` of ``_blocks``' buffer (views)."""
+    return [
+        view if c is None else view[: valid_rows(c, t.shape[0], rank)]
+        for t, c, view in zip(ts, rows, unpack(block, layout))
+    ]
 
 
 def _rows_outside(order: tuple[int, ...] | None) -> tuple[int, ...] | None:

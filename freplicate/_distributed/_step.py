@@ -113,10 +113,9 @@ class Step:
             )
         #: what runs: ``fn`` as the policy has it (its casts in the graph), or ``fn`` itself
         self.run = fn if precision is None else around(fn, precision, argnums)
-        self.local = differentiate(self.run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
-        if self.grains is not None:  # ZeRO-3 under grain=: the grains see what is differentiated
-            seeing = self.grains.seeing(self.run)
-            self.local = differentiate(seeing, argnums=argnums, has_aux=has_aux, caller=_CALLER)
+        # grain=: the grains see what is differentiated (ZeRO-3's check of its shards)
+        run = self.run if self.grains is None else self.grains.seeing(self.run)
+        self.local = differentiate(run, argnums=argnums, has_aux=has_aux, caller=_CALLER)
         self.__doc__ = getattr(fn, "__doc__", None)
         self.__name__ = f"distributed.grad_and_value({getattr(fn, '__name__', 'fn')})"
 
