@@ -744,6 +744,59 @@ def pool_retention(rank: int) -> dict[str, Any]:
     return {"kept": kept, "unit": sum(t.numel() * t.element_size() for t in full.values()) // depth}
 
 
+class Outside(nn.Module):
+    """An untied embedding and head outside two units: the backward reads the head's weight
+    (the input's gradient), never the embedding's table (its gradient needs the indices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(11, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.body(self.embed(ids))))  # type: ignore[no-any-return]
+
+
+@scenario
+def nothing_outlives_its_use(rank: int) -> dict[str, Any]:
+    """With the garbage collector off, as between its runs: what the forward gathered outside
+    every unit and the backward does not read is let go with the forward; no session of the
+    call outlives its backward (a cycle through a unit's wrapped forward kept it, and the last
+    unit the backward gathered, until the collector ran)."""
+    torch.manual_seed(0)
+    model = Outside()
+    full = fr.state(model).params
+    params = clones(fr.distributed.shard(full), grad=True)
+    seen: dict[str, Any] = {}
+    original = _sharded._Session.gather_outside
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        got = list(original(self, *args, **kwargs))
+        seen.update({n: StorageWeakRef(t.untyped_storage()) for n, t in got})
+        return iter(got)
+
+    def sessions() -> int:
+        return sum(type(o) is _sharded._Session for o in gc.get_objects())
+
+    gc.collect()
+    gc.disable()
+    before = sessions()  # other scenarios' (their results may keep a graph)
+    _sharded._Session.gather_outside = recorded  # type: ignore[method-assign]
+    try:
+        out, _ = fr.distributed.apply_sharded(
+            model, fr.State(params, {}), ids_of(rank), units=["body.0", "body.1"]
+        )
+        after_forward = {n: not ref.expired() for n, ref in seen.items()}  # storages alive
+        loss_of(out).backward()
+        del out
+        left = sessions() - before
+    finally:
+        _sharded._Session.gather_outside = original  # type: ignore[method-assign]
+        gc.enable()
+    return {"after forward": after_forward, "sessions": left}
+
+
 # --- errors ---------------------------------------------------------------------------------
 
 

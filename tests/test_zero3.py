@@ -70,6 +70,7 @@ NUMERIC = ["against_the_oracle", "second_order", "gradients_against_ddp", "adamw
 SCENARIOS = [
     *NUMERIC,
     "gathers_and_memory",
+    "nothing_outlives_its_use",
     "tied_gathered_once",
     "errors",
     "default_units_of_a_module_list",
@@ -318,6 +319,17 @@ def test_the_pools_keep_no_more_than_two_units_between_steps(job) -> None:
     for got in ok(job, "pool_retention"):
         # two units' buffers, each with its flag words and 64-byte alignment
         assert sum(got["kept"].values()) <= 2 * (got["unit"] + 512), got
+
+
+def test_nothing_outlives_its_use_without_the_garbage_collector(job) -> None:
+    for got in ok(job, "nothing_outlives_its_use"):
+        # the embedding's gathered table gone with the forward; the head's, saved, still there
+        assert got["after forward"] == {
+            "embed.weight": False,
+            "head.weight": True,
+            "head.bias": False,
+        }, got
+        assert got["sessions"] == 0, got
 
 
 # --- errors ------------------------------------------------------------------------------------

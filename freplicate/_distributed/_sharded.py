@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
@@ -467,7 +467,7 @@ class _Session:
         keeper = _KEEPER[0]() if _KEEPER[0] is not None else None
         if keeper is not None:  # an earlier call's graph not yet differentiated: its last unit
             keeper.kept = None  # is gathered again (the bound of two units holds across calls)
-        values = dict(self.gather_outside())
+        values = dict(self.gather_outside(apart=torch.is_grad_enabled()))
         mine = weakref.ref(self)
         stand_ins = {
             n: _stand_in(self.plan.full[n][0], self.shards[n], n, mine)
@@ -515,11 +515,18 @@ class _Session:
                 return
         failed(closing, [zero], error)
 
-    def gather_outside(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def gather_outside(self, apart: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The parameters outside every unit, gathered for the whole call. ``apart``: each in a
+        storage of its own (a copy of the gathered buffer's view), so that one the backward
+        pass does not read (an embedding's table: its gradient needs the indices only) is let
+        go with the forward instead of kept by the buffer the others' saved views hold."""
         names = tuple(n for n in self.plan.outside if self.shards.get(n) is not None)
         if not names:
             return iter(())
-        return zip(names, self._gathered(self._spec(names), names))
+        full = self._gathered(self._spec(names), names)
+        if apart and len(_bases(full)) < len(full):
+            full = [t.clone() for t in full]
+        return zip(names, full)
 
     def around(self, where: list[str], copies: list[nn.Module], slots: list[Any]) -> None:
         """Wrap each unit's copy: its parameters bound for its forward only."""
@@ -625,20 +632,37 @@ def _inside(where: str, unit: str) -> bool:
     return unit == "" or name == unit or name.startswith(unit + ".")
 
 
+def _forward_of(copy: nn.Module) -> Callable[..., Any]:
+    """``copy.forward`` holding no reference to ``copy``: a wrapper stored on ``copy`` that held
+    its bound method would make a cycle, which keeps the call's copies, its session and the
+    parameters they bind alive until the garbage collector runs (a unit's worth a call)."""
+    own = copy.__dict__.get("forward")
+    if own is not None:  # wrapped already (or the module's own): it holds no cycle of ours
+        return own  # type: ignore[no-any-return]
+    unbound, ref = type(copy).forward, weakref.ref(copy)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return unbound(ref(), *args, **kwargs)
+
+    return forward
+
+
 def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> None:
     """``copy.forward``, this call's: gather, bind, run, release (even when it raises)."""
-    forward = copy.forward
-    saved = [(m, key, m._parameters[key]) for m, key, _ in places]
+    forward = _forward_of(copy)
+    # the modules held weakly: ``copy`` holds them, and this wrapper lives on ``copy`` (no cycle)
+    slots = [(weakref.ref(m), key, name, m._parameters[key]) for m, key, name in places]
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_inputs(session.precision, args, kwargs)  # as fully_shard(unit) does
         full = session.gather(unit)
-        for m, key, name in places:
+        modules: list[Any] = [ref() for ref, _, _, _ in slots]
+        for m, (_, key, name, _) in zip(modules, slots):
             m._parameters[key] = full[name]
         try:
             return forward(*args, **kwargs)
         finally:
-            for m, key, stand_in in saved:
+            for m, (_, key, _, stand_in) in zip(modules, slots):
                 m._parameters[key] = stand_in
             session.release(unit)
 
@@ -693,7 +717,7 @@ def _cast_inputs_of(copy: nn.Module, precision: Precision | None) -> None:
     gathers nothing of its own: its parameters are the call's)."""
     if not _casts_inputs(precision):
         return
-    forward = copy.forward
+    forward = _forward_of(copy)
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_inputs(precision, args, kwargs)
