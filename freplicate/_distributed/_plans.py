@@ -203,11 +203,13 @@ def plan_for(spec: Spec, tensors: Sequence[torch.Tensor]) -> Plan:
     """The plan of a call of ``spec`` on ``tensors`` (distinct ones): what a rule runs.
 
     Its layout is that of the caller's tree, flattened: ``spec.paths`` name
-    the tensors; an all-gather's full shapes are ``spec.like``'s.
+    the tensors; an all-gather's full shapes are ``spec.like``'s, the dtype ``spec.dtype``.
     """
     sigs: tuple[Any, ...] = tuple(map(_traced_sig, tensors)) if is_compiling() else _sigs(tensors)
     if spec.like is not None:
         sigs = tuple((shape, *s[1:4], order) for s, (shape, order) in zip(sigs, spec.like))
+    if spec.dtype is not None:  # packed into buffers of that dtype (the copy-in casts)
+        sigs = tuple((s[0], spec.dtype, *s[2:]) if s[1].is_floating_point else s for s in sigs)
     whole = spec.wholes([s[0] for s in sigs])
     described = Tree(spec.paths, sigs, None, whole)
     options, world, caller = spec.options, spec.world, spec.caller

@@ -298,12 +298,16 @@ class _Gathered(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *cts: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         wanted = [k for k, need in enumerate(ctx.needs_input_grad[3:]) if need]
-        cts = tuple(cast(c, ctx.reduce) for c in cts)  # the policy's reduce_dtype on the wire
         if ctx.grain is not None:  # grain=: the ranks' rows summed in the fixed tree
+            cts = tuple(cast(c, ctx.reduce) for c in cts)  # (no mp_policy there: refused)
             grads = ctx.grain.rows(ctx.spec, cts, ctx.inputs, wanted)
             ctx.grain.gave([ctx.ids[k] for k in wanted])
-        else:
+        elif torch.is_grad_enabled():  # create_graph: the policy's reduce_dtype cast in the graph
+            cts = tuple(cast(c, ctx.reduce) for c in cts)
             grads = transposed(ctx.spec, cts, ctx.inputs, wanted)  # frozen shards: None
+        else:  # reduced in the policy's reduce_dtype, cast as packed (no copy of them in it)
+            spec = ctx.spec if ctx.reduce is None else replaced(ctx.spec, dtype=ctx.reduce)
+            grads = transposed(spec, cts, ctx.inputs, wanted)
         if ctx.replicate is not None and wanted:  # HSDP: the rows reduced over the replicas
             paths = tuple(ctx.spec.paths[k] for k in wanted)
             over = replaced(as_rule(ctx.replicate, "backward"), paths=paths)

@@ -166,7 +166,10 @@ class Spec(NamedTuple):
     the 0-dim ones); ``like``: an all-gather's full tensors' shapes and
     memory orders (its inputs are shards); ``pooled``: its buffers kept in
     pools for the next call (``False``: fresh ones, let go with the results:
-    ZeRO-3's units, where memory is the point).
+    ZeRO-3's units, where memory is the point); ``dtype``: what its
+    floating-point tensors travel and come back in, cast as they are packed
+    (eagerly: ZeRO-3's backward reduces in an mp_policy's ``reduce_dtype``
+    with no copy of the cotangents in it; ``None``: their own).
     """
 
     options: Any  # _options.Options, whose ``kind`` names one of the objects below
@@ -178,6 +181,7 @@ class Spec(NamedTuple):
     whole: tuple[bool, ...] | None = None
     like: tuple[Signature, ...] | None = None
     pooled: bool = True  # eagerly, buffers kept for the next call of the layout (a step's)
+    dtype: torch.dtype | None = None
 
     def wholes(self, shapes: Sequence[Sequence[int]]) -> tuple[bool, ...]:
         """Per tensor of these shapes, whether it is held whole."""
