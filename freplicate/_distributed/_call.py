@@ -283,67 +283,79 @@ class Call:
     def finish(self, local: Sequence[torch.Tensor] = ()) -> list[torch.Tensor]:
         """The results, one per tensor of the layout (``local``: those that stay as given).
 
-        Every rank verifies the words its buckets landed with (``_verdict``):
-        *failed* set, every rank raises (``failure``); *retry* set, every rank
-        raises ``Redo``; another layout on some rank, every rank raises
-        ``Mismatch`` naming the difference.
+        Bucket by bucket, in launch order: its results' views made while it
+        is in flight, wherever it is known where its values will land (they
+        read none: no time after the collective; eagerly only: traced, views
+        made before ``land`` writes their base would break autograd's rule
+        for views of a base modified in place), then waited for, landed, and
+        its buffers let go before the next is waited for (a reduce-scatter's
+        send buffer holds every rank's rows: the buckets' together, a whole
+        gradient). Every rank then verifies the words its buckets landed with
+        (``_verdict``): *failed* set, every rank raises (``failure``); *retry*
+        set, every rank raises ``Redo``; another layout on some rank, every
+        rank raises ``Mismatch`` naming the difference.
         """
-        t, kind = self.transport, self.kind
-        buckets = self.layout.buckets
-        # the results' views first, while the buckets are in flight, wherever it is known
-        # where their values will land (they read none): no time after the collectives
-        # (eagerly: traced, views made before ``land`` writes their base would break autograd's
-        # rule for views of a base modified in place)
-        res = [t.result(b, bucket) for b, bucket in enumerate(buckets)]
-        where = [r if r is not None else t.landing(h) for r, h in zip(res, self.pending)]
-        early = [
-            None if w is None or not t.eager else kind.views(bucket, w, self.rank)
-            for bucket, w in zip(buckets, where)
-        ]
-        landed = [t.wait(h) for h in self.pending]
-        sparse = [t.wait(h) for h in self.sparse]
-        if landed and t.eager:
-            self._verdict(landed)
-        elif landed:
-            self._traced_verdict(landed)
+        t, kind, rank = self.transport, self.kind, self.rank
         weighted = self.layout.options.weighted
-        total: Any = self._total(landed) if weighted else None
+        total: Any = None
+        same: Any = None  # eagerly: whether every bucket's words so far are the clean ones
+        landed: list[torch.Tensor] = []  # the last bucket's (eagerly), every bucket's (traced)
         out: list[torch.Tensor] = []
-        for b, bucket in enumerate(buckets):
-            buf = kind.land(bucket, landed[b], res[b], self.rank)
+        for b, bucket in enumerate(self.layout.buckets):
+            res = t.result(b, bucket)
+            where = res if res is not None else t.landing(self.pending[b])
+            early = None if where is None or not t.eager else kind.views(bucket, where, rank)
+            got = t.wait(self.pending[b])
+            self.pending[b] = None  # landed: the collective's buffers are ours to let go
+            landed = [got] if t.eager else [*landed, got]
+            if t.eager:
+                same = self._words_agree(b, bucket, got, same)
+            if weighted and b == 0:
+                total = self._total(got)
+            buf = kind.land(bucket, got, res, rank)
             if weighted and self.eager:
                 _divide(buf[: bucket.data], total)
             elif weighted:  # traced: a new buffer, in autograd's graph
                 buf = torch.where(total == 0, torch.zeros_like(buf), buf / total)  # type: ignore[arg-type, operator]
-            got = early[b]
-            out += got if got is not None else kind.views(bucket, buf, self.rank)
+            out += early if early is not None else kind.views(bucket, buf, rank)
+            t.let_go(b)
+        sparse = [t.wait(h) for h in self.sparse]
+        if landed and t.eager:
+            self._verdict(same, landed[-1])
+        elif landed:
+            self._traced_verdict(landed)
         if weighted and sparse:  # sparse tensors are waited for one by one already (``launch_sparse``)
             scalar = float(total)
             sparse = [s / scalar if scalar else s * 0 for s in sparse]
         return self.request.plan.reorder(out + sparse + list(local))
 
-    def _verdict(self, landed: Sequence[torch.Tensor]) -> None:
-        """Every rank checks the words its buckets landed with, on the device; raise together.
+    def _words_agree(self, b: int, bucket: Bucket, landed: torch.Tensor, same: Any) -> Any:
+        """``same``, and whether bucket ``b`` landed with the clean words (on the device); the
+        first bucket's *more* bit settles a ``join`` loop's (a tensor until the loop reads it)."""
+        if b == 0 and self.joining is not None:
+            self.joining.settle(self.kind.words_of(bucket, landed)[_flags.MORE].clone())
+        want = _words_of(self.request)[1][b]
+        if want is None:
+            return same
+        now = torch.eq(self.kind.words_of(bucket, landed)[-_flags.CHECK :], want).all()
+        return now if same is None else same.logical_and_(now)
+
+    def _verdict(self, same: Any, last: torch.Tensor) -> None:
+        """Every rank checks the words its buckets landed with (``same``), on the device; raise
+        together.
 
         The words land the same on every rank, so every rank's assertion
-        passes or fails alike: only then are they read on the host, to name
-        what went wrong (``_named``). A ``join`` loop's bit stays a tensor
-        until the loop reads it.
+        passes or fails alike: only then are they read on the host (the last
+        bucket's, ``last``), to name what went wrong (``_named``).
         """
-        kind, buckets = self.kind, self.layout.buckets
-        wants = _words_of(self.request)[1]
-        ok: Any = None
-        for b, want in wants:
-            same = torch.eq(kind.words_of(buckets[b], landed[b])[-_flags.CHECK :], want).all()
-            ok = same if ok is None else ok.logical_and_(same)
         if self.error is not None:
-            self._named(landed)
+            self._named(last)
+        if same is None:  # no bucket carries words
+            return
         try:  # on a CUDA device, asynchronous: a failure surfaces at the next synchronisation
-            torch._assert_async(ok, _different(self.request.caller))
+            torch._assert_async(same, _different(self.request.caller))
         except RuntimeError:  # raised by the assertion alone: the words differ from clean ones
-            self._named(landed)
-        if self.joining is not None:
-            self.joining.settle(kind.words_of(buckets[0], landed[0])[_flags.MORE].clone())
+            self._named(last)
 
     def _traced_verdict(self, landed: Sequence[torch.Tensor]) -> None:
         """The same check in the graph: a device-side assertion on the landed words.
@@ -365,10 +377,11 @@ class Call:
             bad = differs if bad is None else bad | differs
         torch._assert_async(~bad, _different(caller))
 
-    def _named(self, landed: Sequence[torch.Tensor]) -> NoReturn:
-        """Raise, on every rank together, what the landed words say (read on the host)."""
+    def _named(self, landed: torch.Tensor) -> NoReturn:
+        """Raise, on every rank together, what the landed words say (the last bucket's,
+        ``landed``; read on the host)."""
         t, kind, r = self.transport, self.kind, self.request
-        last = t.read(kind.words_of(self.layout.buckets[-1], landed[-1]))
+        last = t.read(kind.words_of(self.layout.buckets[-1], landed))
         assert last is not None
         if last[_flags.FAILED] or self.error is not None:
             failure(r.group, r.caller, self.error)
@@ -376,12 +389,13 @@ class Call:
             raise Redo
         exchange(self.layout, r.group, r.caller)
 
-    def _total(self, landed: Sequence[torch.Tensor]) -> Any:
-        """The summed weights, a tensor (never read on the host)."""
+    def _total(self, first: torch.Tensor) -> Any:
+        """The summed weights, a tensor (never read on the host; ``first``: the first bucket's
+        landed buffer, whose words carry them unless too narrow)."""
         if self.side is not None:
             total = self.transport.wait(self.side)[0]
         else:
-            total = self.kind.words_of(self.layout.buckets[0], landed[0])[_flags.WEIGHT]
+            total = self.kind.words_of(self.layout.buckets[0], first)[_flags.WEIGHT]
         return total.real if total.is_complex() else total
 
 
@@ -413,31 +427,32 @@ def _merged(layout: Any, b: int, parts: Sequence[Part], send: Send) -> Sequence[
     return out
 
 
-_WORDS: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]]] = {}
+_WORDS: dict[tuple[int, int], tuple[list[torch.Tensor | None], list[torch.Tensor | None]]] = {}
 register(_WORDS.clear)
 
 
 def _words_of(
     request: Request,
-) -> tuple[list[torch.Tensor | None], list[tuple[int, torch.Tensor]]]:
-    """A layout's clean words as this rank sends them, per bucket (``None``: no words), and, per
-    bucket with words, its check as it lands: made once per layout, only ever copied from."""
+) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    """A layout's clean words as this rank sends them, and the check of each as it lands, per
+    bucket (``None``: no words): made once per layout, only ever copied from."""
     layout = request.plan.layout
     key = (layout.fingerprint, request.world)
     got = _WORDS.get(key)
     if got is None:
         sent: list[torch.Tensor | None] = []
-        wants: list[tuple[int, torch.Tensor]] = []
-        for b, bucket in enumerate(layout.buckets):
+        wants: list[torch.Tensor | None] = []
+        for bucket in layout.buckets:
             if not bucket.extra:
                 sent.append(None)
+                wants.append(None)
                 continue
             dtype, device = bucket.comm, bucket.device
             words = _flags.sent(bucket.extra, layout.fingerprint)
             sent.append(torch.tensor(words, dtype=dtype, device=device))
             maximum = layout.kind.words_max(bucket)
             want = _flags.expected(bucket.extra, layout.fingerprint, request.world, maximum)
-            wants.append((b, torch.tensor(want, dtype=dtype, device=device)))
+            wants.append(torch.tensor(want, dtype=dtype, device=device))
         got = _WORDS[key] = (sent, wants)
         while len(_WORDS) > 64:
             del _WORDS[next(iter(_WORDS))]

@@ -126,26 +126,31 @@ class Eager:
         self.pools = pools
         self.group = group
         self.caller = caller
-        # an empty view of each buffer this call took: busy for the pools while the call lives
-        self.held: list[torch.Tensor] = []
+        # per bucket, an empty view of each buffer it took: busy for the pools until it lands
+        self.held: dict[int, list[torch.Tensor]] = {}
 
-    def _take(self, pool: Pool) -> torch.Tensor:
+    def _take(self, b: int, pool: Pool) -> torch.Tensor:
         buf = pool.take()
-        self.held.append(buf[:0])
+        self.held.setdefault(b, []).append(buf[:0])
         return buf
 
     def send(self, b: int, bucket: Bucket) -> torch.Tensor:
         """The buffer bucket ``b`` is packed into (its chunks, in the bucket's comm dtype)."""
-        return self._take(self.pools[b].send)
+        return self._take(b, self.pools[b].send)
 
     def result(self, b: int, bucket: Bucket) -> torch.Tensor | None:
         """Where bucket ``b``'s results live, unless they view the landed buffer (``None``)."""
         pool = self.pools[b].res
-        return None if pool is None else self._take(pool)
+        return None if pool is None else self._take(b, pool)
+
+    def let_go(self, b: int) -> None:
+        """Bucket ``b`` landed: its buffers stay busy for their pools only while its results
+        view them (a send buffer they do not view is free again, or gone if not pooled)."""
+        self.held.pop(b, None)
 
     def start(self, b: int, bucket: Bucket, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
         pool = self.pools[b].recv
-        recv = None if pool is None else self._take(pool)
+        recv = None if pool is None else self._take(b, pool)
         work = self.kind.start(send, recv, bucket.maximum, self.group, self.caller)
         return work, send if recv is None else recv
 
@@ -188,6 +193,9 @@ class Traced:
     def result(self, b: int, bucket: Bucket) -> torch.Tensor | None:
         size = self.kind.sizes(bucket).res
         return None if size is None else torch.empty(size, dtype=bucket.dtype, device=bucket.device)
+
+    def let_go(self, b: int) -> None:
+        """Nothing to let go: a traced call's buffers are the graph's."""
 
     def start(self, b: int, bucket: Bucket, send: torch.Tensor) -> tuple[Any, torch.Tensor]:
         flat = real_view(send)
