@@ -364,7 +364,9 @@ class Functional:
       ``fr.grad_and_value`` is refused), AdamW; no full parameters kept.
 
     ``in_place``: AdamW updates this rank's shards and moments in place (``adamw_``, as
-    ``torch.optim.AdamW`` does), instead of docs/sharding.md's out-of-place update.
+    ``torch.optim.AdamW`` does), instead of docs/sharding.md's out-of-place update; eagerly, at
+    stages 1 and 2, the shards are then views of the parameters (``fr.distributed.shard``'s
+    rows, as ``torch.optim``'s tensors are a module's), taken again from each step's new ones.
 
     The module the step runs is a copy on the meta device (the step binds every parameter):
     the only full parameters a rank holds are the step's own.
@@ -416,6 +418,9 @@ class Functional:
             grad_fn = fr.distributed.grad_and_value(loss_fn, shard=stage == 2)
 
         update = adamw_ if in_place else adamw
+        # in place and eager, ZeRO-1/2's rows are views of the parameters (as torch.optim's are
+        # of a module's), updated in place before the all-gather makes the new ones
+        views = in_place and not compiled and stage != 3
 
         def step(params: Any, mine: list[Any], m: list[Any], v: list[Any], t: Any) -> Any:
             if stage == 3:
@@ -432,6 +437,9 @@ class Functional:
                 self.mark("update", shards=mine, **{"opt state": m + v})
             if stage != 3:
                 params = fr.distributed.all_gather(dict(zip(names, mine)), params)
+                if views:  # the next step's rows: the new parameters'
+                    rows = fr.distributed.shard(params)
+                    mine = [rows[k] for k in names]
                 if not compiled:
                     self.mark("all-gather", params=params)
             return params, mine, m, v, t
@@ -444,8 +452,10 @@ class Functional:
         else:
             self._step = torch.compile(step, fullgraph=True, dynamic=False) if compiled else step
         self.params = None if stage == 3 else full
-        # fresh tensors, not views of the parameters: a compiled step would guard on the alias
-        self.mine = [t.clone() for t in fr.distributed.shard(full).values()]
+        # fresh tensors, not views of the parameters (but in place, eagerly): a compiled step
+        # would guard on the alias
+        rows = fr.distributed.shard(full)
+        self.mine = [rows[k] if views else rows[k].clone() for k in names]
         self.m = [torch.zeros_like(t) for t in self.mine]
         self.v = [torch.zeros_like(t) for t in self.mine]
         self.t: Any = torch.zeros((), dtype=torch.float64) if compiled else 0
