@@ -762,8 +762,9 @@ class Outside(nn.Module):
 def nothing_outlives_its_use(rank: int) -> dict[str, Any]:
     """With the garbage collector off, as between its runs: what the forward gathered outside
     every unit and the backward does not read is let go with the forward; no session of the
-    call outlives its backward (a cycle through a unit's wrapped forward kept it, and the last
-    unit the backward gathered, until the collector ran)."""
+    call outlives its backward (a unit's wrapped forward, in a cycle with its module copy, held
+    it, and with it the last unit the backward gathered, until the collector ran: now it holds
+    it weakly)."""
     torch.manual_seed(0)
     model = Outside()
     full = fr.state(model).params
@@ -795,6 +796,44 @@ def nothing_outlives_its_use(rank: int) -> dict[str, Any]:
         _sharded._Session.gather_outside = original  # type: ignore[method-assign]
         gc.enable()
     return {"after forward": after_forward, "sessions": left}
+
+
+class ForwardMethods(nn.Module):
+    """Units whose ``forward`` methods are checkpointed (the bound method, not the module): the
+    checkpoint keeps the unit's wrapped forward alone, and recomputes through it in the
+    backward pass, after the call has returned."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self.a.forward, x, use_reentrant=self.reentrant)
+        return checkpoint(self.b.forward, torch.tanh(h), use_reentrant=self.reentrant)  # type: ignore[no-any-return]
+
+
+@scenario
+def checkpointed_forward_methods(rank: int) -> dict[str, Any]:
+    got = {}
+    for reentrant in (False, True):
+        torch.manual_seed(0)
+        model = ForwardMethods(reentrant)
+        full = fr.state(model)
+        params = clones(fr.distributed.shard(full.params), grad=True)
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        x.requires_grad_(reentrant)  # a reentrant checkpoint needs an input that requires grad
+
+        def attempt(model: nn.Module = model, params: Any = params, x: Any = x) -> Any:
+            out, _ = fr.distributed.apply_sharded(model, fr.State(params, {}), x, units=["a", "b"])
+            loss_of(out).backward()
+            return {k: p.grad for k, p in params.items()}
+
+        mine = outcome(attempt)
+        want = oracle(model, params, {}, (x,), trainable=set(params), like=full.params)
+        got["reentrant" if reentrant else "non-reentrant"] = (mine, want["grads"])
+    return got
 
 
 # --- errors ---------------------------------------------------------------------------------

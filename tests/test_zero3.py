@@ -71,6 +71,7 @@ SCENARIOS = [
     *NUMERIC,
     "gathers_and_memory",
     "nothing_outlives_its_use",
+    "checkpointed_forward_methods",
     "tied_gathered_once",
     "errors",
     "default_units_of_a_module_list",
@@ -330,6 +331,13 @@ def test_nothing_outlives_its_use_without_the_garbage_collector(job) -> None:
             "head.bias": False,
         }, got
         assert got["sessions"] == 0, got
+
+
+def test_a_checkpointed_forward_method_recomputes_after_the_call(job) -> None:
+    for got in ok(job, "checkpointed_forward_methods"):
+        for kind, (mine, want) in got.items():
+            assert mine[0] == "ok", (kind, mine)
+            bitwise(mine[1], want)
 
 
 # --- errors ------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import optree
@@ -636,39 +636,35 @@ def _inside(where: str, unit: str) -> bool:
     return unit == "" or name == unit or name.startswith(unit + ".")
 
 
-def _forward_of(copy: nn.Module) -> Callable[..., Any]:
-    """``copy.forward`` holding no reference to ``copy``: a wrapper stored on ``copy`` that held
-    its bound method would make a cycle, which keeps the call's copies, its session and the
-    parameters they bind alive until the garbage collector runs (a unit's worth a call)."""
-    own = copy.__dict__.get("forward")
-    if own is not None:  # wrapped already (or the module's own): it holds no cycle of ours
-        return own  # type: ignore[no-any-return]
-    unbound, ref = type(copy).forward, weakref.ref(copy)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return unbound(ref(), *args, **kwargs)
-
-    return forward
-
-
 def _wrap(copy: nn.Module, unit: str, places: list[Any], session: _Session) -> None:
-    """``copy.forward``, this call's: gather, bind, run, release (even when it raises)."""
-    forward = _forward_of(copy)
-    # the modules held weakly: ``copy`` holds them, and this wrapper lives on ``copy`` (no cycle)
-    slots = [(weakref.ref(m), key, name, m._parameters[key]) for m, key, name in places]
+    """``copy.forward``, this call's: gather, bind, run, release (even when it raises).
+
+    The wrapper holds the call's session weakly: the graph holds it while a backward pass may
+    need it (its saved-tensor hooks), and the wrapper and ``copy`` hold each other (a cycle
+    the garbage collector takes) but nothing heavy, so that the session, and what it gathered,
+    goes with the graph. ``copy`` itself stays strong: a ``checkpoint(block.forward, x)`` keeps
+    the wrapper alone, and recomputes through it."""
+    forward = copy.forward
+    saved = [(m, key, m._parameters[key]) for m, key, _ in places]
+    ref = weakref.ref(session)
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = cast_inputs(session.precision, args, kwargs)  # as fully_shard(unit) does
-        full = session.gather(unit)
-        modules: list[Any] = [ref() for ref, _, _, _ in slots]
-        for m, (_, key, name, _) in zip(modules, slots):
+        live = ref()
+        if live is None:
+            raise RuntimeError(
+                f"{_CALLER}: the forward of unit {unit!r} was called after its call's graph was "
+                "freed; call apply_sharded again"
+            )
+        args, kwargs = cast_inputs(live.precision, args, kwargs)  # as fully_shard(unit) does
+        full = live.gather(unit)
+        for m, key, name in places:
             m._parameters[key] = full[name]
         try:
             return forward(*args, **kwargs)
         finally:
-            for m, (_, key, _, stand_in) in zip(modules, slots):
+            for m, key, stand_in in saved:
                 m._parameters[key] = stand_in
-            session.release(unit)
+            live.release(unit)
 
     copy.__dict__["forward"] = run
 
@@ -721,7 +717,7 @@ def _cast_inputs_of(copy: nn.Module, precision: Precision | None) -> None:
     gathers nothing of its own: its parameters are the call's)."""
     if not _casts_inputs(precision):
         return
-    forward = _forward_of(copy)
+    forward = copy.forward
 
     def run(*args: Any, **kwargs: Any) -> Any:
         args, kwargs = cast_inputs(precision, args, kwargs)
