@@ -299,7 +299,8 @@ class Call:
         weighted = self.layout.options.weighted
         total: Any = None
         same: Any = None  # eagerly: whether every bucket's words so far are the clean ones
-        landed: list[torch.Tensor] = []  # the last bucket's (eagerly), every bucket's (traced)
+        landed: list[torch.Tensor] = []  # traced: every bucket's (checked together at the end)
+        last: torch.Tensor | None = None  # eagerly: the last bucket's (its words name a failure)
         out: list[torch.Tensor] = []
         for b, bucket in enumerate(self.layout.buckets):
             res = t.result(b, bucket)
@@ -307,9 +308,10 @@ class Call:
             early = None if where is None or not t.eager else kind.views(bucket, where, rank)
             got = t.wait(self.pending[b])
             self.pending[b] = None  # landed: the collective's buffers are ours to let go
-            landed = [got] if t.eager else [*landed, got]
             if t.eager:
-                same = self._words_agree(b, bucket, got, same)
+                same, last = self._words_agree(b, bucket, got, same), got
+            else:
+                landed.append(got)
             if weighted and b == 0:
                 total = self._total(got)
             buf = kind.land(bucket, got, res, rank)
@@ -320,8 +322,8 @@ class Call:
             out += early if early is not None else kind.views(bucket, buf, rank)
             t.let_go(b)
         sparse = [t.wait(h) for h in self.sparse]
-        if landed and t.eager:
-            self._verdict(same, landed[-1])
+        if last is not None:
+            self._verdict(same, last)
         elif landed:
             self._traced_verdict(landed)
         if weighted and sparse:  # sparse tensors are waited for one by one already (``launch_sparse``)
