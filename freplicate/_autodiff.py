@@ -64,6 +64,7 @@ __all__ = [
 
 T = TypeVar("T")
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_IS_CUDA = operator.attrgetter("is_cuda")
 
 
 class Rewind:
@@ -76,9 +77,9 @@ class Rewind:
     __slots__ = ("cpu", "cuda")
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.cpu = torch.get_rng_state()
+        self.cpu = torch.default_generator.get_state()  # torch.get_rng_state, less its frame
         self.cuda: list[tuple[int, torch.Tensor]] = []
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if any(map(_IS_CUDA, tensors)) and torch.cuda.is_initialized():
             devices = {t.device.index for t in tensors if t.is_cuda}
             self.cuda = [(d, torch.cuda.get_rng_state(d)) for d in sorted(i or 0 for i in devices)]
 
@@ -153,6 +154,8 @@ def gradients(
     if value.is_complex() or has_torch_function((value, *leaves)):
         return torch.autograd.grad(value, leaves, allow_unused=True, materialize_grads=True)
     grads = engine_grad(value, leaves)
+    if not any(map(operator.is_, grads, itertools.repeat(None))):  # at C speed: all computed
+        return tuple(grads)
     return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves))
 
 

@@ -63,15 +63,16 @@ except ImportError:  # pragma: no cover - only on a torch that moved it
     FAST_PATHS["maybe_current_level"] = False
 
 
-def transform_level() -> int | None:
-    """The innermost ``torch.func`` transform's level, or ``None`` outside every transform.
+def _any_level() -> int | None:  # pragma: no cover - only on a torch that moved the accessor
+    return -1
 
-    Without the private accessor, assume a transform may be active (``-1``):
-    every caller then takes its transform-safe path, slower but right.
-    """
-    if _maybe_current_level is None:  # pragma: no cover
-        return -1
-    return _maybe_current_level()  # type: ignore[no-any-return]
+
+#: The innermost ``torch.func`` transform's level, or ``None`` outside every transform: torch's
+#: own accessor (a C function: no Python frame on the hot path). Without it, assume a transform
+#: may be active (``-1``): every caller then takes its transform-safe path, slower but right.
+transform_level: Callable[[], int | None] = (
+    _any_level if _maybe_current_level is None else _maybe_current_level
+)
 
 
 # --- torch.autograd.grad's own call into the engine, without its per-input checks ---
@@ -434,7 +435,13 @@ def graph_break(message: str) -> None:
 
 
 def is_compiling() -> bool:
-    """True while Dynamo traces: public functions then take their traceable twins."""
+    """True while Dynamo traces: public functions then take their traceable twins.
+
+    A function of ours, not an alias of torch's: called from inside a
+    ``torch.func`` transform that Dynamo traces, torch's own answers False
+    where this one answers True (measured on torch 2.13; the refusal of
+    collectives inside compiled transforms depends on it).
+    """
     return torch.compiler.is_compiling()
 
 

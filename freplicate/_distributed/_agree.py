@@ -78,9 +78,20 @@ class OwnFailure(ProtocolError):
     """Raised on the failing rank once its peers know; its caller raises its own error."""
 
 
+# ``os.environ``'s own dict (encoded keys and values), read at C speed: every call reads the
+# variable (a test turns the mode on and off in a running process), and ``os.environ.get``
+# costs three Python frames
+_ENVIRON: Any = getattr(os.environ, "_data", None)
+_DEBUG_KEY: Any = os.environ.encodekey(DEBUG_VARIABLE) if _ENVIRON is not None else None  # type: ignore[attr-defined]
+_ON = {"DETAIL", "1", "ON", "TRUE"}
+
+
 def debugging() -> bool:
     """Whether the debug mode is on: every call checked before data moves (``DEBUG_VARIABLE``)."""
-    return os.environ.get(DEBUG_VARIABLE, "").upper() in ("DETAIL", "1", "ON", "TRUE")
+    if _ENVIRON is None:  # pragma: no cover - an os.environ without its dict
+        return os.environ.get(DEBUG_VARIABLE, "").upper() in _ON
+    raw = _ENVIRON.get(_DEBUG_KEY)
+    return raw is not None and os.environ.decodevalue(raw).upper() in _ON  # type: ignore[attr-defined]
 
 
 class Known(NamedTuple):
@@ -125,14 +136,18 @@ class _History:
 # Per process group, weakly keyed: a destroyed group's history goes with it. Tiny (layouts),
 # and never cleared by fr.clear_caches: a rank that forgot it would probe where its peers
 # do not.
-_HISTORY: weakref.WeakKeyDictionary[Any, _History] = weakref.WeakKeyDictionary()
+_HISTORY: dict[weakref.ref[Any], _History] = {}  # a weak dictionary by hand: no Python call
+
+
+def _forget(ref: weakref.ref[Any]) -> None:
+    _HISTORY.pop(ref, None)
 
 
 def _history(group: Any) -> _History:
     key = group_key(group)
-    history = _HISTORY.get(key)
+    history = _HISTORY.get(weakref.ref(key))
     if history is None:
-        history = _HISTORY[key] = _History()
+        history = _HISTORY[weakref.ref(key, _forget)] = _History()
     return history
 
 

@@ -102,6 +102,7 @@ class Call:
     """One call of a public function on ``request``'s layout (see the module's text)."""
 
     __slots__ = (
+        "eager",
         "error",
         "joining",
         "kind",
@@ -128,6 +129,7 @@ class Call:
             if plan.lock is not None
             else Traced(kind, request.group, request.world)
         )
+        self.eager = self.transport.eager
         self.rank = dist.get_rank(request.group) if kind.needs_rank else 0
         self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
@@ -138,10 +140,6 @@ class Call:
         self.sparse: list[tuple[Any, torch.Tensor]] = []
         self.sent: Send | None = None  # what the first bucket carried (its weight word)
         self.side: Any = None  # the weights' own sum, where the first bucket is too narrow for it
-
-    @property
-    def eager(self) -> bool:
-        return self.transport.eager
 
     def begin(self, checksums: Any = None) -> None:
         """Agree on the layout: eagerly a probe on its first use (``_agree``); traced, the probe
@@ -161,7 +159,9 @@ class Call:
             self.sent = send
         bucket = self.layout.buckets[b]
         words = self._words(b, bucket, send) if bucket.extra else None
-        ours = parts if parts is None or not send.sending else _merged(self.layout, b, parts, send)
+        ours = parts
+        if parts is not None and send.sending and send.acc is not None:
+            ours = _merged(self.layout, b, parts, send)
         if self.eager:  # a pooled buffer, packed (no graph: ``_rules`` keeps it)
             buf = self.transport.send(b, bucket)  # type: ignore[union-attr]
             if ours is None or not send.sending:
@@ -321,7 +321,7 @@ class Call:
                 buf = torch.where(total == 0, torch.zeros_like(buf), buf / total)  # type: ignore[arg-type, operator]
             out += early if early is not None else kind.views(bucket, buf, rank)
             t.let_go(b)
-        sparse = [t.wait(h) for h in self.sparse]
+        sparse = [t.wait(h) for h in self.sparse] if self.sparse else []
         if last is not None:
             self._verdict(same, last)
         elif landed:
@@ -355,7 +355,11 @@ class Call:
         if same is None:  # no bucket carries words
             return
         try:  # on a CUDA device, asynchronous: a failure surfaces at the next synchronisation
-            torch._assert_async(same, _different(self.request.caller))
+            caller = self.request.caller
+            message = _DIFFERENT.get(caller)
+            if message is None:
+                message = _DIFFERENT[caller] = _different(caller)
+            torch._assert_async(same, message)
         except RuntimeError:  # raised by the assertion alone: the words differ from clean ones
             self._named(last)
 
@@ -401,6 +405,10 @@ class Call:
         return total.real if total.is_complex() else total
 
 
+# eagerly, each caller's message made once (the assertion takes it at every call)
+_DIFFERENT: dict[str, str] = {}
+
+
 def _different(caller: str) -> str:
     """The device-side assertion's message: raised as it is where the words cannot be read
     (compiled, or on a CUDA device, at the next synchronisation)."""
@@ -414,8 +422,7 @@ def _different(caller: str) -> str:
 
 def _merged(layout: Any, b: int, parts: Sequence[Part], send: Send) -> Sequence[Part]:
     """``parts`` plus the micro-batches' sums so far (an accumulated step's last bucket)."""
-    if send.acc is None:
-        return parts
+    assert send.acc is not None
     out: list[Part] = []
     bucket = layout.buckets[b]
     i = 0

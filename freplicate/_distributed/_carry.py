@@ -49,17 +49,23 @@ class Joining:
 
 
 # Per group: the join loop whose bit a reduction carries (the innermost, the latest started).
-_CURRENT: weakref.WeakKeyDictionary[Any, Joining] = weakref.WeakKeyDictionary()
+# Keyed by a weak reference to the group, which takes its entry with it: a weak dictionary
+# by hand, whose emptiness and lookups cost no Python call (every reduction asks).
+_CURRENT: dict[weakref.ref[Any], Joining] = {}
+
+
+def _forget(ref: weakref.ref[Any]) -> None:
+    _CURRENT.pop(ref, None)
 
 
 def enter(group: Any, joining: Joining) -> None:
     """``joining`` is the loop whose bit reductions on ``group`` carry from now on."""
-    _CURRENT[group_key(group)] = joining
+    _CURRENT[weakref.ref(group_key(group), _forget)] = joining
 
 
 def leave(group: Any, joining: Joining) -> None:
     """``joining`` is over; a loop entered after it keeps its place."""
-    key = group_key(group)
+    key = weakref.ref(group_key(group))
     if _CURRENT.get(key) is joining:
         del _CURRENT[key]
 
@@ -68,7 +74,7 @@ def armed(group: Any) -> Joining | None:
     """The join loop on ``group`` whose bit waits for a reduction to carry it, if any."""
     if not _CURRENT:
         return None
-    joining = _CURRENT.get(group_key(group))
+    joining = _CURRENT.get(weakref.ref(group_key(group)))
     if joining is None or joining.bit is None:
         return None
     return joining

@@ -35,7 +35,7 @@ from .._tree import (
 from .._typing import Compress, Op, TensorTree
 from ._agree import debugging
 from ._call import Announced, Call, Request, Send, send_of
-from ._group import check_src, groups_of, world_size
+from ._group import check_src, groups_of, resolve, world_size
 from ._options import Options, reduction, weight_value
 from ._plans import Plan, plan_of
 from ._rules import apply, held, needs_rules, plain
@@ -140,7 +140,7 @@ def all_reduce(
     )
     if weight is not None and not (is_compiling() and isinstance(weight, torch.Tensor)):
         weight = weight_value(caller, weight)
-    world = world_size(group, caller)
+    world, group = resolve(group, caller)
     if world <= 1:
         return tree
     return collect(tree, Spec(options, group, world, caller, check, ()), weight=weight)
@@ -262,8 +262,8 @@ def run(
     if not begun:
         call.begin(checksums)
     layout = plan.layout
-    parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
-    call.launch_rest(parts, send, [tensors[k] for k in layout.sparse])
+    parts = plan.all_parts(tensors)
+    call.launch_rest(parts, send, [tensors[k] for k in layout.sparse] if layout.sparse else ())
     return call.finish()
 
 
@@ -518,7 +518,7 @@ def gather(shards: TensorTree, like: TensorTree, spec: Spec, rank: int) -> Tenso
                 call = scope.call = early or Call(request)
                 if early is None:
                     call.begin()
-                parts = [plan.parts(b, mine) for b in range(len(layout.buckets))]
+                parts = plan.all_parts(mine)
                 call.launch_rest(parts, send_of(request))
                 # a 0-dim leaf: a new tensor too, so results never alias the shards given
                 results = call.finish(local=held(spec, [mine[k] for k in layout.local]))

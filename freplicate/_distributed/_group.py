@@ -33,11 +33,13 @@ __all__ = [
     "backend_of",
     "check_src",
     "collective",
+    "comm_error",
     "comm_device",
     "forward_ad_level",
     "group_key",
     "groups_of",
     "refuse_traced_transforms",
+    "resolve",
     "world_size",
 ]
 
@@ -63,10 +65,29 @@ def world_size(group: Any, caller: str) -> int:
             or Dynamo traces the call inside a ``torch.func`` transform
             (``refuse_traced_transforms``), before anything touches the tree.
     """
-    world = _world_size(group, caller)
-    if world > 1 and is_compiling():
+    return resolve(group, caller)[0]
+
+
+def resolve(group: Any, caller: str) -> tuple[int, Any]:
+    """``world_size``, and the process group a call of more than one rank runs on: ``group``,
+    or the default one for ``None`` (looked up once a call: torch's collectives, given
+    ``None``, look it up at every launch). With one rank or fewer, ``group`` as it is."""
+    # the common cases first, at C speed (every public call starts here): a group's size is
+    # its own (``dist.get_world_size`` costs a dozen Python calls to say the same)
+    default = _default_group()
+    if group is None and default is not None:
+        world: int = default.size()
+        resolved = default
+    elif default is not None and type(group) is not int and isinstance(group, _PROCESS_GROUP):
+        world, resolved = group.size(), group
+    else:
+        world, resolved = _world_size(group, caller), group
+    if world <= 1:
+        return world, group
+    if is_compiling():  # traced: the group as given (the graph names it, ``Traced``)
         refuse_traced_transforms(caller)
-    return world
+        return world, group
+    return world, resolved
 
 
 def refuse_traced_transforms(caller: str) -> None:
@@ -93,8 +114,20 @@ def forward_ad_level() -> bool:
     return getattr(forward_ad, "_current_level", -1) >= 0
 
 
+_AVAILABLE = dist.is_available()
+_PROCESS_GROUP: Any = dist.ProcessGroup if _AVAILABLE else ()
+
+
+def _default_group() -> Any:
+    """The default process group, or ``None`` before ``init_process_group`` (or without
+    torch.distributed)."""
+    return dist.group.WORLD if _AVAILABLE else None
+
+
 def _world_size(group: Any, caller: str) -> int:
-    initialised = dist.is_available() and dist.is_initialized()
+    """``world_size`` where the group is not an initialised one: ``None`` without a process
+    group, a rank outside the group, a wrong type."""
+    initialised = _default_group() is not None
     if group is None:
         if initialised:
             return dist.get_world_size()
@@ -107,7 +140,7 @@ def _world_size(group: Any, caller: str) -> int:
             stacklevel=3,
         )
         return 0
-    if not (dist.is_available() and isinstance(group, dist.ProcessGroup)):
+    if not (_AVAILABLE and isinstance(group, _PROCESS_GROUP)):
         raise TypeError(
             f"{caller}: group must be a torch.distributed process group (e.g. from "
             "dist.new_group) or None for the default group (a DeviceMesh, or a pair of groups "
@@ -201,7 +234,7 @@ def _check_grid(caller: str, replicate: Any, shard: Any) -> None:
 
 def group_key(group: Any) -> Any:
     """The group itself, the default one for ``None`` (a key of per-group state)."""
-    return dist.group.WORLD if group is None else group
+    return _default_group() if group is None else group
 
 
 def check_src(caller: str, src: Any, group: Any) -> int:
@@ -237,12 +270,27 @@ def comm_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-class collective:  # lower case, as the context manager function it replaced
-    """Around a torch.distributed call: its errors re-raised as ``CommError`` naming ``caller``.
+def comm_error(caller: str, err: BaseException) -> BaseException:
+    """What an error out of a torch.distributed call is raised as: ``CommError`` naming
+    ``caller`` (the original its ``__cause__``) for torch's ``RuntimeError`` / ``ValueError``;
+    anything else, and running out of memory, as it is. The hot paths call it from an
+    ``except`` clause (no frame when nothing fails); ``collective`` around the others."""
+    if isinstance(err, (RuntimeError, ValueError)) and not isinstance(
+        err, torch.OutOfMemoryError
+    ):
+        named = CommError(
+            f"{caller}: a collective failed: a peer rank may have died, stalled past "
+            "the group's timeout, or called another collective than this one; every rank "
+            f"must make the same fr.distributed calls in the same order "
+            f"({type(err).__name__}: {str(err)[:300]})"
+        )
+        named.__cause__ = err
+        return named
+    return err
 
-    The original is the new error's ``__cause__``; running out of memory is
-    raised as it is. A class, not a generator: it runs around every bucket.
-    """
+
+class collective:  # lower case, as the context manager function it replaced
+    """Around a torch.distributed call: its errors re-raised as ``comm_error`` says."""
 
     __slots__ = ("caller",)
 
@@ -253,12 +301,8 @@ class collective:  # lower case, as the context manager function it replaced
         return None
 
     def __exit__(self, kind: Any, err: BaseException | None, tb: Any) -> None:
-        if err is None or isinstance(err, torch.OutOfMemoryError):
+        if err is None:
             return
-        if isinstance(err, (RuntimeError, ValueError)):
-            raise CommError(
-                f"{self.caller}: a collective failed: a peer rank may have died, stalled past "
-                "the group's timeout, or called another collective than this one; every rank "
-                f"must make the same fr.distributed calls in the same order "
-                f"({type(err).__name__}: {str(err)[:300]})"
-            ) from err
+        named = comm_error(self.caller, err)
+        if named is not err:
+            raise named

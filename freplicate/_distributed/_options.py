@@ -74,11 +74,19 @@ def reduction(
     caller: str, kind: Kind, op: Any, bucket_cap_mb: Any, compress: Any, *, weighted: bool = False
 ) -> Options:
     """The checked options of a reduction (before anything else, with or without a group)."""
-    check_op(caller, op)
-    check_positive(caller, "bucket_cap_mb", bucket_cap_mb)
-    check_choice(caller, "compress", compress, tuple(COMPRESS))
-    if weighted:
-        check_weighted(caller, op)
+    valid = (  # the usual options, tested in place (every call runs this): no check to call
+        type(op) is str
+        and (op == "mean" or (op == "sum" and not weighted))
+        and type(bucket_cap_mb) in (int, float)
+        and 0 < bucket_cap_mb < math.inf
+        and (compress is None or (type(compress) is str and compress in COMPRESS))
+    )
+    if not valid:  # the checks, which raise naming what is wrong
+        check_op(caller, op)
+        check_positive(caller, "bucket_cap_mb", bucket_cap_mb)
+        check_choice(caller, "compress", compress, tuple(COMPRESS))
+        if weighted:
+            check_weighted(caller, op)
     return Options(kind.name, op, float(bucket_cap_mb), compress, None, weighted)
 
 

@@ -117,17 +117,32 @@ class Plan:
         self.lock = threading.RLock() if eager else None
         self.stacks: dict[bool, Any] = {}
         self.never_stack = False  # the layout met a sparse gradient in a stack (``_backward``)
-        self.picks = []  # per bucket, per run: its tensors out of the layout's
+        # per bucket: its tensors out of the layout's (at C speed), and where each run's are
+        self.picks: list[tuple[tuple[int, ...], Any, list[tuple[int, int]]]] = []
         for bucket in layout.buckets:
-            start, picks = 0, []
+            start, bounds = 0, []
             for run in bucket.runs:
-                picks.append(picker(bucket.members[start : start + run.n]))
+                bounds.append((start, start + run.n))
                 start += run.n
-            self.picks.append(picks)
+            members = bucket.members
+            get = operator.itemgetter(*members) if len(members) > 1 else None
+            self.picks.append((members, get, bounds))
 
     def parts(self, b: int, tensors: Sequence[Any]) -> list[list[Any]]:
         """Bucket ``b``'s tensors out of ``tensors`` (one per tensor of the layout), one list a run."""
-        return [pick(tensors) for pick in self.picks[b]]
+        members, get, bounds = self.picks[b]
+        mine = get(tensors) if get is not None else [tensors[members[0]]] if members else []
+        out = []
+        for start, end in bounds:  # a loop, not a comprehension: no frame of its own
+            out.append(list(mine[start:end]))
+        return out
+
+    def all_parts(self, tensors: Sequence[Any]) -> list[list[list[Any]]]:
+        """``parts`` of every bucket, in order."""
+        out = []
+        for b in range(len(self.picks)):
+            out.append(self.parts(b, tensors))
+        return out
 
     def empty_sparse(self) -> list[torch.Tensor]:
         """An empty tensor for each sparse one, as a rank that sends nothing sends it."""

@@ -96,7 +96,7 @@ def plain(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
             call = scope.call = Call(request)
             call.begin()
-            parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
+            parts = plan.all_parts(tensors)
             sparse = [tensors[k] for k in layout.sparse]
             call.launch_rest(parts, send_of(request), sparse)
             return call.finish(local=held(spec, [tensors[k] for k in layout.local]))
@@ -234,7 +234,7 @@ class Pending:
             request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
             self.call = scope.call = Call(request)
             self.call.begin()
-            parts = [plan.parts(b, tensors) for b in range(len(layout.buckets))]
+            parts = plan.all_parts(tensors)
             self.call.launch_rest(parts, send_of(request), [tensors[k] for k in layout.sparse])
 
     def finish(self) -> list[torch.Tensor]:

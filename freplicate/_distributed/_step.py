@@ -25,14 +25,21 @@ import torch
 
 from .._autodiff import differentiate
 from .._checks import check_int
-from .._torch import foreach_add, foreach_add_, foreach_mul, is_compiling, transform_level
+from .._torch import (
+    any_requires_grad,
+    foreach_add,
+    foreach_add_,
+    foreach_mul,
+    is_compiling,
+    transform_level,
+)
 from .._tree import NAMESPACE, flatten_in_order, tensor_values
 from .._typing import Compress, Op, TensorTree
 from ._agree import debugging, sparse_gradients
 from ._backward import Attempt, Differentiated, overlapped
 from ._call import Announced, Call, Redo, Request, Send, send_of
 from ._collectives import collect, run
-from ._group import world_size
+from ._group import forward_ad_level, resolve, world_size
 from ._options import Options, check_weighted, reduction, weight_value
 from ._plans import Plan, plan_of
 from ._precision import around, precision_of, wire_compress
@@ -122,7 +129,7 @@ class Step:
     # --- the three ways to call a step -----------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        world = world_size(self.group, _CALLER)
+        world, group = resolve(self.group, _CALLER)
         if self.grains is not None:
             grads, value, _ = self._grained(args, [(args, kwargs)], world)
             return grads, value
@@ -134,7 +141,7 @@ class Step:
                 grads, value = self.local(*args, **kwargs)
                 w = self._weigh(args, kwargs)
             return collect(grads, self._spec(world), weight=w), value
-        return self._step(args, kwargs, world, None)
+        return self._step(args, kwargs, world, None, group)
 
     def skip(self, *args: Any) -> tuple[Any, None]:
         """This rank has no batch this step: ``(grads, None)``, its peers' reduced gradients.
@@ -273,17 +280,23 @@ class Step:
     # --- one step ----------------------------------------------------------------------------
 
     def _step(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], world: int, acc: _Sum | None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        world: int,
+        acc: _Sum | None,
+        group: Any,
     ) -> tuple[Any, Any]:
+        """One step's gradients on ``group`` (``self.group``, resolved: ``resolve``)."""
         attempt = Attempt()
-        with Announced(self.group, world, _CALLER) as scope:
+        with Announced(group, world, _CALLER) as scope:
             n = _position(self.argnums, args)
             if n is None:
                 self.local(*args, **kwargs)  # raises its own error (out of range)
             tree = args[n]  # type: ignore[index]
-            plan, leaves, key = self._plan(tree, world)
+            plan, leaves, key = self._plan(tree, world, group)
             with plan.lock or contextlib.nullcontext():
-                request = self._request(plan, world)
+                request = self._request(plan, world, group)
                 call = scope.call = Call(request)
                 call.begin(self._checksums(tree))
                 w = self._weigh(args, kwargs)  # the user's code: after the call has its layout
@@ -349,7 +362,7 @@ class Step:
             for g, s in zip(flat, expected)
         ):
             call.retry()  # gradients sparse where the layout planned them dense: reduce as a tree
-        parts = [plan.parts(b, flat) for b in range(len(plan.layout.buckets))]
+        parts = plan.all_parts(flat)
         call.launch_rest(parts, send, [flat[k] for k in plan.layout.sparse])
         return call.finish(), value
 
@@ -455,8 +468,9 @@ class Step:
         call.begin(self._checksums(tree))
         return call
 
-    def _request(self, plan: Plan, world: int) -> Request:
-        return Request(plan, self.group, world, _CALLER, self.check)
+    def _request(self, plan: Plan, world: int, group: Any = None) -> Request:
+        """The call of ``plan`` on ``group`` (the step's own where ``None``)."""
+        return Request(plan, self.group if group is None else group, world, _CALLER, self.check)
 
     def _spec(self, world: int) -> Spec:
         """The step's collective, for a tree the rules or a retry reduce (paths filled in)."""
@@ -486,18 +500,19 @@ class Step:
             return w  # read back it cannot be while tracing: used as a tensor
         return weight_value(_CALLER, w, "weight(*args)")
 
-    def _plan(self, tree: Any, world: int) -> tuple[Plan, list[Any], int]:
+    def _plan(self, tree: Any, world: int, group: Any = None) -> tuple[Plan, list[Any], int]:
         """The gradient layout of ``tree``, its leaves, and the key the group learns sparsity by.
 
         The gradients of a tree come one per position (untied, as torch.func
-        gives them), sparse where the group learnt so (keyed by the dense
-        layout's fingerprint).
+        gives them), sparse where the group (``group``, resolved, or the
+        step's own) learnt so (keyed by the dense layout's fingerprint).
         """
         plan, leaves = plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
         if not plan.bare:
             plan, leaves = self._stand_in(plan, leaves, {}, world)
         key = plan.layout.fingerprint
-        known = {} if is_compiling() else sparse_gradients(self.group).get(key, {})
+        on = self.group if group is None else group
+        known = {} if is_compiling() else sparse_gradients(on).get(key, {})
         if known:
             plan, leaves = self._stand_in(plan, leaves, known, world)
         return plan, leaves, key
@@ -664,13 +679,16 @@ def _ruled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """
     if is_compiling() or transform_level() is not None or not torch.is_grad_enabled():
         return needs_rules((), _CALLER)
+    if forward_ad_level():
+        return True
+    # grad mode on, no transform, not tracing: whether any tensor requires grad
     for tree in (*args, *kwargs.values()):
         values = tensor_values(tree)
         if values is None:
             values = [t for t in flatten_in_order(tree)[0] if isinstance(t, torch.Tensor)]
-        if needs_rules(values, _CALLER):
+        if any_requires_grad(values):
             return True
-    return needs_rules((), _CALLER)
+    return False
 
 
 def _overlaps(plan: Plan) -> bool:

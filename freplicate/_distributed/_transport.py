@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .._torch import functional_collectives, storage_use_count
-from ._group import collective
+from ._group import collective, comm_error
 from ._wire import Bucket, Kind, real_view
 
 __all__ = ["Eager", "Pool", "Pools", "Traced"]
@@ -124,7 +124,8 @@ class Eager:
     def __init__(self, kind: Kind, pools: list[Pools], group: Any, caller: str) -> None:
         self.kind = kind
         self.pools = pools
-        self.group = group
+        # the default group resolved once: torch's collectives look it up at every call else
+        self.group = dist.group.WORLD if group is None else group
         self.caller = caller
         # per bucket, an empty view of each buffer it took: busy for the pools until it lands
         self.held: dict[int, list[torch.Tensor]] = {}
@@ -162,8 +163,10 @@ class Eager:
     def wait(self, handle: tuple[Any, torch.Tensor]) -> torch.Tensor:
         """The landed buffer: the sum (reduce), this rank's chunk (scatter), every chunk (gather)."""
         work, recv = handle
-        with collective(self.caller):
+        try:
             work.wait()
+        except Exception as err:
+            raise comm_error(self.caller, err)  # noqa: B904 - comm_error chains it
         return recv
 
     @staticmethod

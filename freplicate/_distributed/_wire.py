@@ -48,7 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .._torch import chunk_cat, is_compiling
-from ._group import collective
+from ._group import comm_error
 
 __all__ = [
     "ALIGN",
@@ -432,10 +432,18 @@ class Kind:
 
         No autograd: a collective's graph is its rules' (``_rules``).
         """
-        parts = _as_comm(bucket, parts)
-        with torch.no_grad():
+        if bucket.comm != bucket.dtype:
+            parts = _as_comm(bucket, parts)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # ``no_grad`` at C speed: this runs for every bucket
+        try:
             for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
-                cells = _cells(region, run)
+                # contiguous, unpadded cells (``_cells``' first case) without its call
+                cells = (
+                    region.view(run.n, *run.cell)
+                    if run.order is None and run.slot == run.size
+                    else _cells(region, run)
+                )
                 if isinstance(part, torch.Tensor) or len(part) == 1:
                     # one pass: DDP's mean multiplies as it copies (a run of one tensor too)
                     src, out = (
@@ -456,6 +464,8 @@ class Kind:
                         cells.copy_(stacked)
                     else:
                         torch.mul(stacked, scale, out=cells)
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def joined(
         self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
@@ -512,9 +522,15 @@ class Kind:
         flight, the views cost no time after it.
         """
         out: list[torch.Tensor] = []
-        regions = _typed(bucket, buf)[: bucket.data].split_with_sizes(bucket.widths[:-1])
+        typed = buf if bucket.comm == bucket.dtype else _typed(bucket, buf)
+        regions = typed[: bucket.chunk - bucket.extra].split_with_sizes(bucket.widths[:-1])
         for run, region in zip(bucket.runs, regions):
-            cells = _cells(region, run)
+            # contiguous, unpadded cells (``_cells``' first case) without its call
+            cells = (
+                region.view(run.n, *run.cell)
+                if run.order is None and run.slot == run.size
+                else _cells(region, run)
+            )
             if run.n == 1:
                 out.append(cells[0])
             else:
@@ -537,8 +553,10 @@ class Kind:
     ) -> Any:
         """Start the eager collective from ``send`` (into ``recv``); its work handle."""
         op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
-        with collective(caller):
+        try:
             return dist.all_reduce(real_view(send), op=op, group=group, async_op=True)
+        except Exception as err:
+            raise comm_error(caller, err)  # noqa: B904 - comm_error chains it
 
     def start_traced(
         self, ops: Any, flat: torch.Tensor, maximum: bool, world: int, name: str
@@ -774,8 +792,10 @@ class ReduceScatter(_Rowed):
         # torch 2.13's names: the older ones warn (FutureWarning) at every call
         scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
         assert recv is not None
-        with collective(caller):
+        try:
             return scatter(real_view(recv), real_view(send), op=op, group=group, async_op=True)
+        except Exception as err:
+            raise comm_error(caller, err)  # noqa: B904 - comm_error chains it
 
     def start_traced(
         self, ops: Any, flat: torch.Tensor, maximum: bool, world: int, name: str
@@ -916,8 +936,10 @@ class AllGather(_Rowed):
     ) -> Any:
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         assert recv is not None
-        with collective(caller):
+        try:
             return gather(real_view(recv), real_view(send), group=group, async_op=True)
+        except Exception as err:
+            raise comm_error(caller, err)  # noqa: B904 - comm_error chains it
 
     def start_traced(
         self, ops: Any, flat: torch.Tensor, maximum: bool, world: int, name: str
@@ -1100,8 +1122,11 @@ class AllGatherBySum(Kind):
     def pack(
         self, bucket: Bucket, send: torch.Tensor, parts: Sequence[Part], rank: int, scale: Any
     ) -> None:
-        parts = _as_comm(bucket, parts)
-        with torch.no_grad():
+        if bucket.comm != bucket.dtype:
+            parts = _as_comm(bucket, parts)
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # ``no_grad`` at C speed: this runs for every bucket
+        try:
             for run, part, region in zip(bucket.runs, parts, send.split_with_sizes(bucket.widths)):
                 cells = _cells(region, run)
                 start, valid = _rows_of(run, bucket.ranks, rank)
@@ -1109,6 +1134,8 @@ class AllGatherBySum(Kind):
                 cells[:, :start].fill_(neutral)
                 cells[:, start + valid :].fill_(neutral)
                 cells[:, start : start + valid].copy_(_stacked(part, run))
+        finally:
+            torch._C._set_grad_enabled(grad)
 
     def joined(
         self, bucket: Bucket, parts: Sequence[Part] | None, send: Any, words: Any, rank: int
