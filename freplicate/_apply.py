@@ -25,6 +25,7 @@ function, ``_resolve``, and only the binding differs.
 
 from __future__ import annotations
 
+import operator
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -269,6 +270,8 @@ class _Plan:
         originals = [mods[i] for i in copied]
         self.refs = [weakref.ref(m) for m in originals]
         self.classes = [type(m) for m in originals]
+        # every copy made as ``object.__new__`` makes it (no class of them has a ``__new__``)
+        self.plain_new = all(cls.__new__ is object.__new__ for cls in self.classes)
         self.param_names = layout.param_names
         self.buffer_names = frozenset(layout.buffer_names) - layout.param_names
         self.param_slots = [(at[i], key, name) for i, key, name in layout.param_slots]
@@ -314,15 +317,17 @@ class _Plan:
 
     def originals(self) -> list[dict[str, Any]] | None:
         """The copied modules' attribute dicts now, or ``None`` if the structure changed."""
-        mods = [ref() for ref in self.refs]
+        # maps of C functions, not comprehensions: every call runs this, and each comprehension
+        # is a Python call of its own
+        mods = list(map(_DEREF, self.refs))
         if None in mods:
             return None
-        dicts = [m.__dict__ for m in mods]
+        dicts = list(map(_DICT_OF, mods))
         try:
             if (
-                [len(d) for d in dicts] != self.sizes
-                or [d["_parameters"] for d in dicts] != self.param_dicts
-                or (self.has_buffers and [d["_buffers"] for d in dicts] != self.buffer_dicts)
+                list(map(len, dicts)) != self.sizes
+                or list(map(_PARAMETERS, dicts)) != self.param_dicts
+                or (self.has_buffers and list(map(_BUFFERS, dicts)) != self.buffer_dicts)
             ):
                 return None
         except RuntimeError:  # a tensor replaced, compared by value (ambiguous): changed
@@ -337,7 +342,7 @@ class _Plan:
                     return None
         for k, keys, positions in self.kid_checks:
             children = dicts[k]["_modules"]
-            if [children.get(key) for key in keys] != [mods[j] for j in positions]:
+            if list(map(children.get, keys)) != list(map(mods.__getitem__, positions)):
                 return None
         return dicts
 
@@ -370,6 +375,12 @@ def _attribute_kind(where: str, key: str, value: Any, owner: dict[str, Any]) -> 
     return None
 
 
+_DEREF = operator.methodcaller("__call__")
+_DICT_OF = operator.attrgetter("__dict__")
+_PARAMETERS = operator.itemgetter("_parameters")
+_BUFFERS = operator.itemgetter("_buffers")
+_COPY = operator.methodcaller("copy")
+
 _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary()
 _caches.register(_PLANS.clear)
 
@@ -400,12 +411,15 @@ def _bind(
     ``None``, bound as it is; a name they lack keeps the module's own tensor
     (a buffer: a clone of it, as every buffer is cloned).
     """
-    copies = [cls.__new__(cls) for cls in plan.classes]
-    params = [p.copy() for p in plan.param_dicts]  # the originals' as they are (just checked)
+    if plan.plain_new:  # (a map of a C function: no Python call a module)
+        copies = list(map(object.__new__, plan.classes))
+    else:
+        copies = [cls.__new__(cls) for cls in plan.classes]
+    params = list(map(_COPY, plan.param_dicts))  # the originals' as they are (just checked)
     for k, key, name in plan.param_slots:
         if name in values:
             params[k][key] = values[name]
-    buffers = [b.copy() for b in plan.buffer_dicts]
+    buffers = list(map(_COPY, plan.buffer_dicts))
     clones: dict[str, torch.Tensor | None] = {}
     for k, key, name in plan.buffer_slots:
         if name not in clones:
@@ -543,8 +557,10 @@ def bound_call(
     if type(out) is not torch.Tensor:
         out = _as_functional_call_returns(out, copies, plan)
     # a forward may rebind a buffer (``self.avg = new``): read them where they are now
-    new = {name: buffer_dicts[k][key] for k, key, name in plan.buffer_slots}
-    return out, State(params, _returned_buffers(plan.layout, buffers, new))
+    new = {}
+    for k, key, name in plan.buffer_slots:
+        new[name] = buffer_dicts[k][key]
+    return out, State(params, _returned_buffers(plan.layout, buffers, new) if new else new)
 
 
 def _as_functional_call_returns(out: Any, copies: list[nn.Module], plan: _Plan) -> Any:

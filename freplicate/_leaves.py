@@ -124,14 +124,20 @@ class Leaves:
             return diff, self.reorder(diff)
         diff = []
         views: list[torch.Tensor] = []
-        with torch.enable_grad():  # views of a stack track it even under no_grad
+        # views of a stack track it even under no_grad: ``enable_grad`` at C speed
+        grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(True)
+        try:
             for get, k in zip(self.gets, self.sizes):
                 if k == 1:
                     leaf = get(tensors).detach().requires_grad_()
                     views.append(leaf)
                 else:
                     members = get(tensors)
-                    if not _contiguous(members):
+                    try:
+                        if not all(map(_IS_CONTIGUOUS, members)):
+                            return None
+                    except RuntimeError:  # layouts without strides (sparse CSR ...)
                         return None
                     leaf = torch.stack(members).requires_grad_()
                     unbound = leaf.unbind(0)
@@ -140,6 +146,8 @@ class Leaves:
                     node.register_prehook(_refuse_sparse)
                     views += unbound
                 diff.append(leaf)
+        finally:
+            torch._C._set_grad_enabled(grad)
         return diff, self.reorder(views)
 
     def split(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,13 +163,6 @@ class Leaves:
             else:
                 out += g.unbind(0)
         return self.reorder(out)
-
-
-def _contiguous(tensors: Sequence[torch.Tensor]) -> bool:
-    try:
-        return all(map(_IS_CONTIGUOUS, tensors))
-    except RuntimeError:  # layouts without strides (sparse CSR ...); sparse COO says False
-        return False
 
 
 UNSTACKED = Leaves([])

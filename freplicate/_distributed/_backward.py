@@ -16,6 +16,7 @@ and every rank reduces its local gradients as a tree instead.
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -170,18 +171,24 @@ def overlapped(
     new_args[n] = plan.rebuild(leaves, fresh)
     layout = plan.layout
     watch = _Watch(call, send, stacks, len(layout.buckets))
-    with torch.enable_grad():
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(True)  # ``enable_grad`` at C speed
+    try:
         value, aux = split_output(fn(*new_args, **kwargs), has_aux, caller)
         full = needs_full_backward(value, diff, caller)
-        handles = [] if full else watch.hooks(diff)
+        if not full:
+            watch.hooks(diff)
         try:
             grads = gradients(value, diff, full=full)
         except SparseInStack:
             plan.never_stack = True  # this layout's gradients may be sparse: never stack it
             call.retry()
         finally:
-            for h in handles:
-                h.remove()
+            # the hooks stay on this call's fresh leaves, which go with it; one that a caller
+            # kept and differentiates again does nothing (``done``): no Python call a hook
+            watch.done = True
+    finally:
+        torch._C._set_grad_enabled(grad)
     rest = detached(value, aux, has_aux)
     attempt.keep(None if watch.freed else grads, rest, stacks.leaves.split)
     if watch.sparse or set(map(_LAYOUT, grads)) - _STRIDED:  # (at C speed: no frame a leaf)
@@ -205,7 +212,7 @@ def _made(
 class _Watch:
     """The hooks that launch each bucket but the last as soon as its gradients are all computed."""
 
-    __slots__ = ("call", "freed", "missing", "nb", "ready", "send", "sparse", "stacks")
+    __slots__ = ("call", "done", "freed", "missing", "nb", "ready", "send", "sparse", "stacks")
 
     def __init__(self, call: Call, send: Send, stacks: Stacks, nb: int) -> None:
         self.call = call
@@ -219,31 +226,31 @@ class _Watch:
             self.missing.append(len(span))
         self.sparse: list[int] = []  # buckets that met a sparse gradient
         self.freed = False  # a hook gave autograd a stand-in: the gradients it returns are not all
+        self.done = False  # the call's backward pass is over: its hooks do nothing
 
-    def hooks(self, diff: Sequence[torch.Tensor]) -> list[Any]:
+    def hooks(self, diff: Sequence[torch.Tensor]) -> None:
         # The last bucket can only start once the backward pass is over: no hooks there.
-        handles = []
         for b, span in enumerate(self.stacks.spans[:-1]):
             for j, d in enumerate(span):
-                handles.append(diff[d].register_hook(self._hook(b, j)))
-        return handles
+                # a partial, not a closure made by a call: no Python call a hook to make it
+                diff[d].register_hook(functools.partial(self._hook, b, j))
 
-    def _hook(self, b: int, j: int) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if grad.layout != torch.strided:
-                self.sparse.append(b)  # its bucket, and every later one, waits for the end
-                return None
-            self.ready[b][j] = grad
-            self.missing[b] -= 1
-            if self.missing[b] == 0:
-                self._launch_ready()
-            # autograd keeps what a hook returns until the backward pass ends: a stand-in of no
-            # memory, so that each gradient lives only until its bucket is packed (FSDP2 and
-            # DDP's gradient_as_bucket_view let theirs go too)
-            self.freed = True
-            return grad.new_zeros(()).expand(grad.shape)
-
-        return hook
+    def _hook(self, b: int, j: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """Gradient ``j`` of bucket ``b`` is computed: kept, and the bucket launched if full."""
+        if self.done:  # a later backward through a leaf the caller kept: not this call's
+            return None
+        if grad.layout != torch.strided:
+            self.sparse.append(b)  # its bucket, and every later one, waits for the end
+            return None
+        self.ready[b][j] = grad
+        self.missing[b] -= 1
+        if self.missing[b] == 0:
+            self._launch_ready()
+        # autograd keeps what a hook returns until the backward pass ends: a stand-in of no
+        # memory, so that each gradient lives only until its bucket is packed (FSDP2 and
+        # DDP's gradient_as_bucket_view let theirs go too)
+        self.freed = True
+        return grad.new_zeros(()).expand(grad.shape)
 
     def held(self, b: int, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Bucket ``b``'s gradients after the backward pass: the hooks' where they kept them."""

@@ -102,6 +102,7 @@ class Call:
     """One call of a public function on ``request``'s layout (see the module's text)."""
 
     __slots__ = (
+        "clean",
         "eager",
         "error",
         "joining",
@@ -130,6 +131,8 @@ class Call:
             else Traced(kind, request.group, request.world)
         )
         self.eager = self.transport.eager
+        # eagerly, the layout's clean words as sent and as they land, per bucket (``_words_of``)
+        self.clean = _words_of(request) if self.eager else ([], [])
         self.rank = dist.get_rank(request.group) if kind.needs_rank else 0
         self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
@@ -218,7 +221,7 @@ class Call:
                     t = torch.as_tensor(weight, dtype=torch.float64, device=bucket.device)
                     self.side = self.transport.sum(t.reshape(1))
         if self.eager and not changed and carried is None:
-            clean = _words_of(self.request)[0][b]
+            clean = self.clean[0][b]
             assert clean is not None  # ``_words`` is called for buckets with words only
             return clean
         words = _flags.sent(bucket.extra, self.layout.fingerprint)
@@ -336,7 +339,7 @@ class Call:
         first bucket's *more* bit settles a ``join`` loop's (a tensor until the loop reads it)."""
         if b == 0 and self.joining is not None:
             self.joining.settle(self.kind.words_of(bucket, landed)[_flags.MORE].clone())
-        want = _words_of(self.request)[1][b]
+        want = self.clean[1][b]
         if want is None:
             return same
         now = torch.eq(self.kind.words_of(bucket, landed)[-_flags.CHECK :], want).all()

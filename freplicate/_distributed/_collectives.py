@@ -140,10 +140,11 @@ def all_reduce(
     )
     if weight is not None and not (is_compiling() and isinstance(weight, torch.Tensor)):
         weight = weight_value(caller, weight)
-    world, group = resolve(group, caller)
+    world, group, traced = resolve(group, caller)
     if world <= 1:
         return tree
-    return collect(tree, Spec(options, group, world, caller, check, ()), weight=weight)
+    spec = Spec(options, group, world, caller, check, ())
+    return collect(tree, spec, weight=weight, traced=traced)
 
 
 def reduce_scatter(
@@ -198,20 +199,26 @@ def reduce_scatter(
 
 
 def collect(
-    tree: TensorTree, spec: Spec, *, weight: Any = None, presummed: bool = False
+    tree: TensorTree,
+    spec: Spec,
+    *,
+    weight: Any = None,
+    presummed: bool = False,
+    traced: bool | None = None,
 ) -> TensorTree:
     """One collective of ``spec``'s kind on ``tree``'s tensors over ``spec.world`` > 1 ranks.
 
     ``spec.paths`` is filled in from the tree. ``weight``: this rank's in a
     weighted mean, its tensors multiplied by it unless ``presummed`` (they
-    hold weighted sums already).
+    hold weighted sums already). ``traced``: whether Dynamo traces, where the
+    caller asked already.
     """
     with Announced(spec.group, spec.world, spec.caller) as scope:
         plan, leaves = plan_of(
-            tree, spec.options, spec.group, spec.world, spec.caller, check=spec.check
+            tree, spec.options, spec.group, spec.world, spec.caller, check=spec.check, traced=traced
         )
         tensors = plan.tensors(leaves)
-        if not needs_rules(tensors, spec.caller):
+        if not needs_rules(tensors, spec.caller, traced):
             with plan.lock or contextlib.nullcontext():
                 request = Request(plan, spec.group, spec.world, spec.caller, spec.check)
                 call = scope.call = Call(request)

@@ -68,10 +68,12 @@ def world_size(group: Any, caller: str) -> int:
     return resolve(group, caller)[0]
 
 
-def resolve(group: Any, caller: str) -> tuple[int, Any]:
-    """``world_size``, and the process group a call of more than one rank runs on: ``group``,
+def resolve(group: Any, caller: str) -> tuple[int, Any, bool]:
+    """``world_size``; the process group a call of more than one rank runs on: ``group``,
     or the default one for ``None`` (looked up once a call: torch's collectives, given
-    ``None``, look it up at every launch). With one rank or fewer, ``group`` as it is."""
+    ``None``, look it up at every launch); and whether Dynamo traces the call (asked once:
+    the call's later steps take it as given). With one rank or fewer, ``(world, group,
+    False)``; while Dynamo traces, ``group`` as it is."""
     # the common cases first, at C speed (every public call starts here): a group's size is
     # its own (``dist.get_world_size`` costs a dozen Python calls to say the same)
     default = _default_group()
@@ -83,11 +85,11 @@ def resolve(group: Any, caller: str) -> tuple[int, Any]:
     else:
         world, resolved = _world_size(group, caller), group
     if world <= 1:
-        return world, group
+        return world, group, False
     if is_compiling():  # traced: the group as given (the graph names it, ``Traced``)
         refuse_traced_transforms(caller)
-        return world, group
-    return world, resolved
+        return world, group, True
+    return world, resolved, False
 
 
 def refuse_traced_transforms(caller: str) -> None:

@@ -173,14 +173,22 @@ _PLANS: dict[Any, Plan] = {}
 
 
 def plan_of(
-    tree: TensorTree, options: Options, group: Any, world: int, caller: str, *, check: bool = True
+    tree: TensorTree,
+    options: Options,
+    group: Any,
+    world: int,
+    caller: str,
+    *,
+    check: bool = True,
+    traced: bool | None = None,
 ) -> tuple[Plan, list[Any]]:
     """The plan of ``tree``'s layout for ``options`` over ``world`` ranks, and the tree's leaves.
 
     While tracing, the layout is also checked across ranks here (unless
-    ``check`` is false); eagerly the call checks it (``_agree``).
+    ``check`` is false); eagerly the call checks it (``_agree``). ``traced``:
+    whether Dynamo traces, where the caller asked already (``None``: ask).
     """
-    if is_compiling():
+    if is_compiling() if traced is None else traced:
         return _traced(tree, options, group, world, caller, check)
     values = tensor_values(tree)
     if values is not None and len(set(map(id, values))) == len(values):

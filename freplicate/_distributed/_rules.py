@@ -70,16 +70,17 @@ def apply(spec: Spec, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return plain(spec, tensors)
 
 
-def needs_rules(tensors: Sequence[Any], caller: str) -> bool:
+def needs_rules(tensors: Sequence[Any], caller: str, traced: bool | None = None) -> bool:
     """Whether a call on ``tensors`` must go through its rules (see the module's text).
 
     While Dynamo traces, never (the traced call is differentiable itself).
+    ``traced``: whether it does, where the caller asked already (``None``: ask).
 
     Raises:
         RuntimeError: while Dynamo traces inside a ``torch.func`` transform
             or a forward-mode level.
     """
-    if is_compiling():
+    if is_compiling() if traced is None else traced:
         refuse_traced_transforms(caller)
         return False
     if transform_level() is not None or forward_ad_level():

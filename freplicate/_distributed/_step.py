@@ -129,19 +129,19 @@ class Step:
     # --- the three ways to call a step -----------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        world, group = resolve(self.group, _CALLER)
+        world, group, traced = resolve(self.group, _CALLER)
         if self.grains is not None:
             grads, value, _ = self._grained(args, [(args, kwargs)], world)
             return grads, value
         if world <= 1:
             return self.local(*args, **kwargs)
-        if _ruled(args, kwargs):  # transformed, or a graph to keep: local, then the rules
+        if _ruled(args, kwargs, traced):  # transformed, or a graph to keep: local, then the rules
             with Announced(self.group, world, _CALLER) as scope:  # a failure meets the peers' call
                 scope.call = self._agreed(args, world)
                 grads, value = self.local(*args, **kwargs)
                 w = self._weigh(args, kwargs)
             return collect(grads, self._spec(world), weight=w), value
-        return self._step(args, kwargs, world, None, group)
+        return self._step(args, kwargs, world, None, group, traced)
 
     def skip(self, *args: Any) -> tuple[Any, None]:
         """This rank has no batch this step: ``(grads, None)``, its peers' reduced gradients.
@@ -286,20 +286,23 @@ class Step:
         world: int,
         acc: _Sum | None,
         group: Any,
+        traced: bool,
     ) -> tuple[Any, Any]:
-        """One step's gradients on ``group`` (``self.group``, resolved: ``resolve``)."""
+        """One step's gradients on ``group`` (``self.group``, resolved: ``resolve``); ``traced``:
+        whether Dynamo traces it."""
         attempt = Attempt()
         with Announced(group, world, _CALLER) as scope:
             n = _position(self.argnums, args)
             if n is None:
                 self.local(*args, **kwargs)  # raises its own error (out of range)
             tree = args[n]  # type: ignore[index]
-            plan, leaves, key = self._plan(tree, world, group)
+            plan, leaves, key = self._plan(tree, world, group, traced)
             with plan.lock or contextlib.nullcontext():
                 request = self._request(plan, world, group)
                 call = scope.call = Call(request)
-                call.begin(self._checksums(tree))
-                w = self._weigh(args, kwargs)  # the user's code: after the call has its layout
+                call.begin(self._checksums(tree, traced))
+                # the user's code: after the call has its layout
+                w = None if self.weight is None else self._weigh(args, kwargs)
                 send = send_of(request, weight=w)
                 try:
                     results, value = self._backward(call, send, args, kwargs, n, leaves, attempt)  # type: ignore[arg-type]
@@ -500,19 +503,26 @@ class Step:
             return w  # read back it cannot be while tracing: used as a tensor
         return weight_value(_CALLER, w, "weight(*args)")
 
-    def _plan(self, tree: Any, world: int, group: Any = None) -> tuple[Plan, list[Any], int]:
+    def _plan(
+        self, tree: Any, world: int, group: Any = None, traced: bool | None = None
+    ) -> tuple[Plan, list[Any], int]:
         """The gradient layout of ``tree``, its leaves, and the key the group learns sparsity by.
 
         The gradients of a tree come one per position (untied, as torch.func
         gives them), sparse where the group (``group``, resolved, or the
-        step's own) learnt so (keyed by the dense layout's fingerprint).
+        step's own) learnt so (keyed by the dense layout's fingerprint). ``traced``: whether
+        Dynamo traces, where the caller asked already.
         """
-        plan, leaves = plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
+        if traced is None:
+            traced = is_compiling()
+        plan, leaves = plan_of(
+            tree, self.options, self.group, world, _CALLER, check=self.check, traced=traced
+        )
         if not plan.bare:
             plan, leaves = self._stand_in(plan, leaves, {}, world)
         key = plan.layout.fingerprint
         on = self.group if group is None else group
-        known = {} if is_compiling() else sparse_gradients(on).get(key, {})
+        known = {} if traced else sparse_gradients(on).get(key, {})
         if known:
             plan, leaves = self._stand_in(plan, leaves, known, world)
         return plan, leaves, key
@@ -528,9 +538,9 @@ class Step:
         )
         return plan_of(tree, self.options, self.group, world, _CALLER, check=self.check)
 
-    def _checksums(self, tree: Any) -> Callable[[], list[int]] | None:
+    def _checksums(self, tree: Any, traced: bool | None = None) -> Callable[[], list[int]] | None:
         """A checksum of each differentiated tensor, for the layout's first call (``_agree``)."""
-        if not self.check or is_compiling():
+        if not self.check or (is_compiling() if traced is None else traced):
             return None
         return lambda: [_checksum(t) for t in _leaves_of(tree) if isinstance(t, torch.Tensor)]
 
@@ -670,19 +680,23 @@ def _gradient_like(leaves: list[Any], sparse: dict[int, int]) -> list[Any]:
     return out
 
 
-def _ruled(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _ruled(args: tuple[Any, ...], kwargs: dict[str, Any], traced: bool | None = None) -> bool:
     """Whether a step on these arguments goes through the collectives' rules (``_rules``).
 
     ``needs_rules`` on every tensor of the arguments, without building their
     list where they need not be read (no transform, grad mode off), and at C
     speed for a plain dict of tensors.
     """
-    if is_compiling() or transform_level() is not None or not torch.is_grad_enabled():
-        return needs_rules((), _CALLER)
+    if traced is None:
+        traced = is_compiling()
+    if traced or transform_level() is not None or not torch.is_grad_enabled():
+        return needs_rules((), _CALLER, traced)
     if forward_ad_level():
         return True
     # grad mode on, no transform, not tracing: whether any tensor requires grad
     for tree in (*args, *kwargs.values()):
+        if type(tree) is dict and not tree:  # (an empty dict of frozen parameters, often)
+            continue
         values = tensor_values(tree)
         if values is None:
             values = [t for t in flatten_in_order(tree)[0] if isinstance(t, torch.Tensor)]

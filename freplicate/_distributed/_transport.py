@@ -137,7 +137,9 @@ class Eager:
 
     def send(self, b: int, bucket: Bucket) -> torch.Tensor:
         """The buffer bucket ``b`` is packed into (its chunks, in the bucket's comm dtype)."""
-        return self._take(b, self.pools[b].send)
+        buf = self.pools[b].send.take()  # ``_take``, written out: it runs for every bucket
+        self.held.setdefault(b, []).append(buf[:0])
+        return buf
 
     def result(self, b: int, bucket: Bucket) -> torch.Tensor | None:
         """Where bucket ``b``'s results live, unless they view the landed buffer (``None``)."""

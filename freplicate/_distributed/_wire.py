@@ -554,7 +554,8 @@ class Kind:
         """Start the eager collective from ``send`` (into ``recv``); its work handle."""
         op = dist.ReduceOp.MAX if maximum else dist.ReduceOp.SUM
         try:
-            return dist.all_reduce(real_view(send), op=op, group=group, async_op=True)
+            flat = real_view(send) if send.is_complex() else send  # (no call: every bucket)
+            return dist.all_reduce(flat, op=op, group=group, async_op=True)
         except Exception as err:
             raise comm_error(caller, err)  # noqa: B904 - comm_error chains it
 
