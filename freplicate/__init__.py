@@ -9,9 +9,8 @@
 torch.Size([3, 2])
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from . import distributed as distributed
 from ._amp import GradScaler as GradScaler
 from ._apply import apply as apply
 from ._caches import clear_caches as clear_caches
@@ -32,6 +31,9 @@ from ._state import State as State
 from ._state import combine as combine
 from ._state import partition as partition
 from ._state import state as state
+
+if TYPE_CHECKING:
+    from . import distributed as distributed
 
 __version__ = "0.1.0"
 
@@ -63,9 +65,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # fr.testing needs the optional `hypothesis` dependency: import it on first use.
-    if name == "testing":
+    # Imported on first use: fr.testing, which needs the optional `hypothesis` dependency, and
+    # fr.distributed, which is most of the package's code (`import freplicate` takes about
+    # half as long without it; a process that never runs a collective never pays for it).
+    if name in ("testing", "distributed"):
         import importlib
 
-        return importlib.import_module(".testing", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'freplicate' has no attribute {name!r}")

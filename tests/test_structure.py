@@ -34,13 +34,28 @@ def test_import_loads_nothing_of_the_compiler() -> None:
         "import sys, json, torch, torch.distributed\n"
         "before = set(sys.modules)\n"
         "import freplicate\n"
+        "lazy = 'freplicate._distributed' in sys.modules\n"
+        "freplicate.distributed.all_reduce  # its first use imports it\n"
         "heavy = ['torch._dynamo', 'torch._inductor', 'torch.distributed.tensor',\n"
         "         'torch.distributed._functional_collectives']\n"
         "print(json.dumps({'loaded': [m for m in heavy if m in sys.modules],\n"
-        "                  'before': [m for m in heavy if m in before]}))"
+        "                  'before': [m for m in heavy if m in before], 'lazy': lazy}))"
     )
     assert got["before"] == []  # (so the check below means something)
     assert got["loaded"] == [], got
+    assert got["lazy"] is False  # fr.distributed waits for its first use
+
+
+def test_distributed_is_there_however_it_is_reached() -> None:
+    got = _fresh(
+        "import json\n"
+        "from freplicate import distributed as a\n"
+        "import freplicate as fr\n"
+        "import freplicate.distributed as b\n"
+        "from freplicate import *  # noqa: F403\n"
+        "print(json.dumps([a is b, fr.distributed is b, distributed is b]))  # noqa: F405"
+    )
+    assert got == [True, True, True]
 
 
 def test_the_load_allowlist_grows_by_state_only() -> None:
