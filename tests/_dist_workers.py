@@ -176,8 +176,11 @@ def spawn(
                 if r not in got and p.pid and p.is_alive():  # its stack on stderr: pytest shows it
                     os.kill(p.pid, signal.SIGUSR1)
                     time.sleep(0.5)
-        for p in procs:
-            p.join(timeout=max(0.0, min(5.0, end - time.monotonic())))
+        for r, p in enumerate(procs):
+            # the rank told to die or stall has nothing to report once the others have: a
+            # stalled one sleeps 3 x pg_timeout, and waiting 5 s more for it only ended in a kill
+            told = r == die and len(got) >= expected
+            p.join(timeout=0.0 if told else max(0.0, min(5.0, end - time.monotonic())))
             if p.is_alive():
                 p.kill()
                 p.join()
