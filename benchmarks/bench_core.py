@@ -182,7 +182,7 @@ def _row(model: str, measure: str, t: Rounds, i: int, j: int, target: float | No
 
 def run(quick: bool = False) -> list[Row]:
     """Every model's forward (no grad, recording the graph), gradient and replication rows."""
-    pairs, warmup = (3, 1) if quick else (40, 5)
+    pairs, warmup = (2, 1) if quick else (40, 5)
     torch.set_num_threads(1)
     rows: list[Row] = []
     for name in MODELS:

@@ -254,7 +254,7 @@ def _faults(fn: Callable[[], Any], steps: int = 5) -> float:
     return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps
 
 
-def _bench_step(name: str, rounds: int, steps: int) -> tuple[Rounds, list[float]]:
+def _bench_step(name: str, rounds: int, steps: int, faults: int = 5) -> tuple[Rounds, list[float]]:
     model, x, y = build(name)
     # fresh sides for the agreement check (they train), then fresh ones to time
     check = {
@@ -275,7 +275,7 @@ def _bench_step(name: str, rounds: int, steps: int) -> tuple[Rounds, list[float]
         _fr_side(model, x, y, check=False),
         _naive_side(model, x, y),
     ]
-    return _rounds(sides, rounds, steps), [_faults(fn) for fn in sides]
+    return _rounds(sides, rounds, steps), [_faults(fn, faults) for fn in sides]
 
 
 def _bench_all_reduce(rounds: int, steps: int) -> Rounds:
@@ -304,7 +304,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     rows["all_reduce"] = _bench_all_reduce(args.rounds * 2, args.steps * 5)
     rows["ensemble"] = _bench_ensemble(args.rounds, args.steps)
     for name in args.models:
-        rows[name] = _bench_step(name, args.rounds, args.steps)
+        rows[name] = _bench_step(name, args.rounds, args.steps, args.fault_steps)
     return rows
 
 
@@ -326,10 +326,15 @@ def run(
     pin: bool = True,
 ) -> list[Row]:
     """Spawn the two ranks, run every side on each, and return rank 0's rows."""
+    # --quick, a smoke run: the agreement checks (3 steps a side) and every row as in a full run,
+    # but each side times 4 steps (2 warm-up) and counts faults over 1, not 12 and 5 (a mid_mlp
+    # step takes ~0.15 s on 2 ranks: its 5 sides' 100 steps were half of ``freplicate bench
+    # --quick``'s time)
     args = argparse.Namespace(
         models=list(models),
-        rounds=rounds or (4 if quick else 15),
-        steps=steps or (2 if quick else 3),
+        rounds=rounds or (2 if quick else 15),
+        steps=steps or (1 if quick else 3),
+        fault_steps=1 if quick else 5,
         pin=pin,
     )
     results = on_two_ranks(_measure, args, pin=pin, group_timeout=120, limit=3600)

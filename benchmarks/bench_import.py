@@ -35,7 +35,7 @@ def _seconds(code: str) -> float:
 
 def run(quick: bool = False, *, rounds: int | None = None) -> list[Row]:
     """One row: the import's ratio (the median of per-round ratios) and both median times."""
-    n = rounds or (4 if quick else 16)
+    n = rounds or (2 if quick else 16)  # --quick: 6 fresh interpreters (1 warm-up round), not 10
     times = balanced(lambda i: _seconds(CODES[i]), 2, n, warmup=1)
     ratio = statistics.median(t[1] / t[0] for t in times)
     with_fr, torch_only = (statistics.median(t[i] for t in times) for i in (1, 0))

@@ -115,7 +115,7 @@ def cuda_row(model_name: str, pairs: int, warmup: int) -> Row:
 
 def run(quick: bool = False) -> list[Row]:
     torch.set_num_threads(1)
-    pairs, warmup = (3, 1) if quick else (30, 3)
+    pairs, warmup = (2, 1) if quick else (30, 3)
     rows = [r for name in MODELS for r in cpu_rows(name, pairs, warmup)]
     if torch.cuda.is_available():
         rows += [cuda_row(name, pairs, warmup) for name in MODELS]

@@ -625,8 +625,9 @@ def run(
     collectives; then the same for hybrid sharding on 4 ranks (``"hsdp"`` in ``parts``)."""
     args = argparse.Namespace(
         models=list(models or (("small_mlp",) if quick else (SPEED_MODEL, LLAMA))),
-        rounds=rounds or (3 if quick else None),
-        steps=steps or (2 if quick else 3),
+        # --quick: every side checked and counted as in a full run, timed in 2 rounds of 1 step
+        rounds=rounds or (2 if quick else None),
+        steps=steps or (1 if quick else 3),
         compile=(not quick) if compile is None else compile,
         sizes=(64 * 1024, 4 * MiB) if quick else SIZES,
         parts=parts,

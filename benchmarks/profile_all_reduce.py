@@ -1,6 +1,7 @@
 """The cost of fr.distributed.all_reduce around the collective, on a process group that does nothing.
 
-Run ``.venv/bin/python -m benchmarks.profile_all_reduce``. One process joins
+Run ``.venv/bin/python -m benchmarks.profile_all_reduce`` (``--quick``: 200 calls a figure
+and profiled, not 2000, for a smoke run). One process joins
 a two-rank group of a backend written here with torch's public extension
 API (``dist.ProcessGroup``, ``dist.Backend.register_backend``): collectives
 return at once and move nothing, so the time of ``fr.distributed.all_reduce`` on the
@@ -12,6 +13,7 @@ this machine, unlike the ratio benchmarks).
 
 from __future__ import annotations
 
+import argparse
 import cProfile
 import pstats
 import statistics
@@ -72,7 +74,10 @@ def init_noop_group(world_size: int = 2) -> None:
     dist.init_process_group("noop", store=dist.HashStore(), rank=0, world_size=world_size)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="fr.distributed.all_reduce, nothing moved")
+    parser.add_argument("--quick", action="store_true", help="200 calls, not 2000: a smoke run")
+    calls = 200 if parser.parse_args(argv).quick else 2000
     torch.set_num_threads(1)
     init_noop_group()
     try:
@@ -80,7 +85,7 @@ def main() -> None:
         tree = {k: v.clone() for k, v in fr.state(model).params.items()}
         flat = torch.cat([t.reshape(-1) for t in tree.values()])
 
-        def per_call(fn: object, n: int = 2000) -> float:
+        def per_call(fn: object, n: int = calls) -> float:
             for _ in range(50):
                 fn()  # type: ignore[operator]
             return statistics.median(timeit.repeat(fn, number=10, repeat=n // 10)) / 10 * 1e6  # type: ignore[arg-type]
@@ -98,10 +103,10 @@ def main() -> None:
         )
         profile = cProfile.Profile()
         profile.enable()
-        for _ in range(2000):
+        for _ in range(calls):
             fr.distributed.all_reduce(tree)
         profile.disable()
-        print("\ncProfile of 2000 calls (tottime: the function's own time):")
+        print(f"\ncProfile of {calls} calls (tottime: the function's own time):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(12)
     finally:
         dist.destroy_process_group()

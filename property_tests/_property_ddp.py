@@ -1,6 +1,6 @@
 """The rank side of the distributed properties, run on ``fr.testing.RankPool``'s ranks.
 
-``test_distributed.py`` starts the public pool once and sends each drawn
+``test_distributed.py`` takes the session's pool and sends each drawn
 example to it: ``ranks.run(on_rank, check, payload)`` runs ``check(rank,
 payload)`` on every rank, where it compares ``fr.distributed`` with
 ``DistributedDataParallel`` (or with the reduction computed from every
@@ -37,20 +37,18 @@ def on_rank(check: Callable[[int, Any], Any], payload: Any) -> Any:
 
 
 class RankPool:
-    """``fr.testing.RankPool`` of ``WORLD`` ranks, sent checks by name: ``CHECKS[name]``.
+    """A ``fr.testing.RankPool`` of ``WORLD`` ranks, sent checks by name: ``CHECKS[name]``.
 
     ``run`` answers every rank's ``("ok", value)``; a check that fails on a
     rank raises, naming the rank, as the public pool does.
     """
 
-    def __init__(self, *, pg_timeout: float = 30.0, reply_timeout: float = 60.0) -> None:
-        self.pool = fr.testing.RankPool(WORLD, timeout=pg_timeout, deadline=reply_timeout)
+    def __init__(self, pool: fr.testing.RankPool) -> None:
+        assert pool.world_size == WORLD, pool.world_size
+        self.pool = pool  # the session's (``rank_pool``): its owner closes it
 
     def run(self, check: str, payload: Any) -> list[tuple[str, Any]]:
         return [("ok", value) for value in self.pool.run(on_rank, CHECKS[check], payload)]
-
-    def close(self) -> None:
-        self.pool.close()
 
 
 # --- the checks each rank runs; an AssertionError reports a difference

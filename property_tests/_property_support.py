@@ -1,12 +1,17 @@
-"""Helpers shared by the properties: example budgets, input snapshots, value refills."""
+"""Helpers shared by the properties: example budgets, the session's ranks, input snapshots,
+value refills."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import optree
 import torch
 from hypothesis import settings
+
+from freplicate.testing import RankPool
 
 
 def examples(fraction: float, **overrides: Any) -> settings:
@@ -15,6 +20,19 @@ def examples(fraction: float, **overrides: Any) -> settings:
     ``overrides`` are further settings for the one property (e.g. ``phases``).
     """
     return settings(max_examples=max(2, int(settings.default.max_examples * fraction)), **overrides)
+
+
+@contextmanager
+def bounded(pool: RankPool, deadline: float) -> Iterator[RankPool]:
+    """The session's 2 ranks (``rank_pool``, conftest.py), every run bounded by ``deadline``
+    seconds while the block lasts: a property file's own limit, on ranks that every file
+    shares instead of starting its own."""
+    before = pool.deadline
+    pool.deadline = deadline
+    try:
+        yield pool
+    finally:
+        pool.deadline = before
 
 
 class Unchanged:

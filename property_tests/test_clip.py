@@ -24,7 +24,7 @@ import torch
 from _property_clip import assert_bitwise, gradients, torch_clip
 from _property_clip_ranks import Check
 from _property_ddp import RankPool
-from _property_support import Unchanged, examples, split_inputs
+from _property_support import Unchanged, bounded, examples, split_inputs
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -117,10 +117,9 @@ def test_dtype_mixes_clip_as_torch_on_and_off_the_foreach_path(
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPool]:
-    pool = RankPool(pg_timeout=30.0, reply_timeout=60.0)
-    yield pool
-    pool.close()
+def ranks(rank_pool: fr.testing.RankPool) -> Iterator[RankPool]:
+    with bounded(rank_pool, 60.0) as pool:
+        yield RankPool(pool)
 
 
 @examples(0.3)

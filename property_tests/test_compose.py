@@ -1,6 +1,6 @@
 """fr.distributed composes with torch.func and autograd: drawn programs, trees and modules.
 
-On 2 gloo ranks kept across examples (``fr.testing.RankPool``), each drawn
+On 2 gloo ranks kept across examples and files (``fr.testing.RankPool``), each drawn
 example is sent to both ranks (``_property_compose.py``), which compare:
 
 * a drawn program (local maps, every collective, steps of every kind) on a
@@ -42,7 +42,7 @@ from _property_compose import (
     inputs_of,
 )
 from _property_ddp import WORLD, on_rank
-from _property_support import examples
+from _property_support import bounded, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -54,8 +54,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPool]:
-    with RankPool(WORLD, timeout=30.0, deadline=120.0) as pool:
+def ranks(rank_pool: RankPool) -> Iterator[RankPool]:
+    with bounded(rank_pool, 120.0) as pool:
         yield pool
 
 

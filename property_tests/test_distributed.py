@@ -1,6 +1,6 @@
 """``fr.distributed`` on 2 gloo ranks equals DDP and the leaf-wise reductions it promises.
 
-The ranks are spawned once for this file (``fr.testing.RankPool``) and every
+The ranks are the session's (``fr.testing.RankPool``, conftest.py) and every
 drawn example is sent to both; each rank compares ``fr.distributed`` with
 ``DistributedDataParallel`` (or with the reduction computed locally from
 every rank's known inputs) and replies (``_property_ddp.py``). A handful of
@@ -28,7 +28,7 @@ from _property_ddp import (
     check_training_module,
     on_rank,
 )
-from _property_support import examples
+from _property_support import bounded, examples
 from hypothesis import given
 from hypothesis import strategies as st
 from test_half_precision import large
@@ -42,8 +42,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPool]:
-    with RankPool(WORLD, timeout=30.0, deadline=60.0) as pool:
+def ranks(rank_pool: RankPool) -> Iterator[RankPool]:
+    with bounded(rank_pool, 60.0) as pool:
         yield pool
 
 

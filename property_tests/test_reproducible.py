@@ -20,7 +20,7 @@ from typing import Any
 import optree
 import pytest
 import torch
-from _property_support import examples
+from _property_support import bounded, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -39,11 +39,8 @@ KINDS = [
 
 
 @pytest.fixture(scope="module")
-def pools() -> Iterator[dict[int, RankPool]]:
-    with (
-        RankPool(2, timeout=30.0, deadline=90.0) as two,
-        RankPool(4, timeout=30.0, deadline=90.0) as four,
-    ):
+def pools(rank_pool: RankPool) -> Iterator[dict[int, RankPool]]:
+    with bounded(rank_pool, 90.0) as two, RankPool(4, timeout=30.0, deadline=90.0) as four:
         yield {2: two, 4: four}
 
 

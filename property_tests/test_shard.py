@@ -6,7 +6,7 @@ shape, view and tie ``fr.testing.trees`` draws: 0-dim, empty, rows that do
 not divide); ``grad_and_value(..., shard=True)`` gives the rows of DDP's
 gradients on drawn modules; ``fr.distributed.clip_grad_norm`` of the shards
 is ``clip_grad_norm_`` of the full gradients. The ranks are
-``_property_ddp``'s, spawned once for this file; the checks are in
+the session's (conftest.py's ``rank_pool``); the checks are in
 ``_property_shard.py``.
 """
 
@@ -20,10 +20,11 @@ import pytest
 import torch
 from _property_ddp import WORLD, RankPool
 from _property_shard import Check
-from _property_support import examples
+from _property_support import bounded, examples
 from hypothesis import given
 from hypothesis import strategies as st
 
+import freplicate as fr
 from freplicate.testing import modules, trees
 from freplicate.testing._strategies import FLOAT_DTYPES
 
@@ -38,10 +39,9 @@ SUMMABLE = (*FLOAT_DTYPES, torch.complex64, torch.int64, torch.int32, torch.int8
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPool]:
-    pool = RankPool(pg_timeout=30.0, reply_timeout=60.0)
-    yield pool
-    pool.close()
+def ranks(rank_pool: fr.testing.RankPool) -> Iterator[RankPool]:
+    with bounded(rank_pool, 60.0) as pool:
+        yield RankPool(pool)
 
 
 def _all_ok(replies: list[tuple[str, Any]]) -> None:

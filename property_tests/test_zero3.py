@@ -7,7 +7,7 @@ block reached under several names) and units drawn among its submodules
 (or the default), ``apply_sharded`` on each rank's rows of the parameters
 gives the output, buffers and reduce-scattered gradient of ``fr.apply`` on
 the all-gathered parameters, bit for bit (``_property_zero3.py``). The
-ranks are ``fr.testing.RankPool``'s, started once for this file; few
+ranks are the session's ``fr.testing.RankPool`` (conftest.py); few
 examples, as each costs a few collectives.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _property_ddp import WORLD, on_rank
-from _property_support import examples
+from _property_support import bounded, examples
 from _property_zero3 import check_apply_sharded, check_mixed_precision
 from hypothesis import given
 from hypothesis import strategies as st
@@ -35,8 +35,8 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # never run a forward of their own:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> Iterator[RankPool]:
-    with RankPool(WORLD, timeout=30.0, deadline=60.0) as pool:
+def ranks(rank_pool: RankPool) -> Iterator[RankPool]:
+    with bounded(rank_pool, 60.0) as pool:
         yield pool
 
 

@@ -271,7 +271,7 @@ def test_the_zero3_sides_reach_ddp() -> None:
 
 def test_all_reduce_profile_runs() -> None:
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.profile_all_reduce"],
+        [sys.executable, "-m", "benchmarks.profile_all_reduce", "--quick"],
         cwd=ROOT,
         capture_output=True,
         text=True,
