@@ -437,3 +437,24 @@ def compiled_weight_and_join(rank: int) -> dict[str, Any]:
     compiled = run(step, skip)
     eager = run(lambda p, x: weighted(p, x)[0], lambda p: weighted.skip(p)[0])
     return {"compiled": compiled, "eager": eager, "frames": counter.frame_count}
+
+
+@scenario
+def kept_leaves(rank: int) -> dict[str, Any]:
+    """A loss that keeps the tensors it is given (the step's fresh leaves, on which the hooks that
+    launch its buckets sit): differentiated again after the step, they get their own gradients,
+    and the hooks, done with their call, do nothing."""
+    torch.manual_seed(0)
+    params = {"a": torch.randn(64, 64), "b": torch.randn(64, 64), "c": torch.randn(64)}
+    kept: list[dict[str, torch.Tensor]] = []
+
+    def loss(p: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        kept.append(p)
+        return (p["a"] @ x).sum() + 2 * (p["b"] @ x).sum() + p["c"].sum()
+
+    step = fr.distributed.grad_and_value(loss, bucket_cap_mb=0.01)  # one bucket a tensor
+    grads, _ = step(params, torch.full((64,), 1.0 + rank))
+    leaves = kept[0]
+    hooked = sum(bool(v._backward_hooks) for v in leaves.values())
+    again = {k: torch.autograd.grad((v * 3).sum(), v)[0] for k, v in leaves.items()}
+    return {"grads": grads, "hooked": hooked, "again": again}

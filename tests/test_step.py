@@ -141,3 +141,13 @@ def test_accumulating_sends_no_more_collectives_than_ddp(job):
 def test_weight_and_join_under_compile_equal_eager(job):
     for r in ok(job, "compiled_weight_and_join"):
         close(r["compiled"], r["eager"], rtol=0, atol=0)
+
+
+def test_leaves_a_loss_kept_take_gradients_of_their_own_after_the_step(job) -> None:
+    for res in ok(job, "kept_leaves"):
+        assert res["hooked"] >= 1  # the step's buckets were launched from hooks on these leaves
+        x = torch.full((64,), 1.5)  # the ranks' inputs, 1 and 2, averaged
+        want = {"a": x.expand(64, 64), "b": 2 * x.expand(64, 64), "c": torch.ones(64)}
+        close(res["grads"], want, rtol=0, atol=0)
+        for k, g in res["again"].items():
+            assert torch.equal(g, torch.full_like(g, 3.0)), k  # not the hooks' zero stand-ins

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from ._group import ProtocolError, collective, comm_device, group_key
+from ._group import ProtocolError, collective, comm_device, group_ref, remember
 from ._layout import Layout, difference
 
 __all__ = [
@@ -136,18 +136,13 @@ class _History:
 # Per process group, weakly keyed: a destroyed group's history goes with it. Tiny (layouts),
 # and never cleared by fr.clear_caches: a rank that forgot it would probe where its peers
 # do not.
-_HISTORY: dict[weakref.ref[Any], _History] = {}  # a weak dictionary by hand: no Python call
-
-
-def _forget(ref: weakref.ref[Any]) -> None:
-    _HISTORY.pop(ref, None)
+_HISTORY: dict[weakref.ref[Any], _History] = {}  # keyed by ``group_ref`` (``remember``)
 
 
 def _history(group: Any) -> _History:
-    key = group_key(group)
-    history = _HISTORY.get(weakref.ref(key))
+    history = _HISTORY.get(group_ref(group))
     if history is None:
-        history = _HISTORY[weakref.ref(key, _forget)] = _History()
+        history = remember(_HISTORY, group, _History())
     return history
 
 

@@ -103,7 +103,6 @@ class Call:
 
     __slots__ = (
         "clean",
-        "eager",
         "error",
         "joining",
         "kind",
@@ -130,9 +129,8 @@ class Call:
             if plan.lock is not None
             else Traced(kind, request.group, request.world)
         )
-        self.eager = self.transport.eager
         # eagerly, the layout's clean words as sent and as they land, per bucket (``_words_of``)
-        self.clean = _words_of(request) if self.eager else ([], [])
+        self.clean = _words_of(request) if self.transport.eager else ([], [])
         self.rank = dist.get_rank(request.group) if kind.needs_rank else 0
         self.probed: Any = None  # traced: the probe's zero, which the first words add
         self.error: BaseException | None = None
@@ -150,7 +148,7 @@ class Call:
         r = self.request
         if not r.check:
             return
-        if self.eager:
+        if self.transport.eager:
             agree(self.layout, r.group, r.world, r.caller, checksums, r.plan.dims)
         elif _debugging_now():  # the debug mode: every compiled call probes first
             device = self.layout.buckets[0].device
@@ -165,7 +163,7 @@ class Call:
         ours = parts
         if parts is not None and send.sending and send.acc is not None:
             ours = _merged(self.layout, b, parts, send)
-        if self.eager:  # a pooled buffer, packed (no graph: ``_rules`` keeps it)
+        if self.transport.eager:  # a pooled buffer, packed (no graph: ``_rules`` keeps it)
             buf = self.transport.send(b, bucket)  # type: ignore[union-attr]
             if ours is None or not send.sending:
                 self.kind.fill(bucket, buf)
@@ -207,7 +205,7 @@ class Call:
                 changed[_flags.RETRY] = 1.0
         carried = None
         if b == 0:
-            joining = _carry.armed(self.request.group) if self.eager else None
+            joining = _carry.armed(self.request.group) if self.transport.eager else None
             if joining is not None and self.layout.carries_check(self.request.world):
                 if joining.bit:
                     changed[_flags.MORE] = float(joining.bit)
@@ -220,7 +218,7 @@ class Call:
                     weight = 0.0 if send.weight is None else send.weight
                     t = torch.as_tensor(weight, dtype=torch.float64, device=bucket.device)
                     self.side = self.transport.sum(t.reshape(1))
-        if self.eager and not changed and carried is None:
+        if self.transport.eager and not changed and carried is None:
             clean = self.clean[0][b]
             assert clean is not None  # ``_words`` is called for buckets with words only
             return clean
@@ -270,7 +268,7 @@ class Call:
         ``error`` itself); the other ranks raise ``PeerFailed`` naming this
         one. While tracing nothing can be announced: it returns.
         """
-        if not self.eager or self.launched == len(self.layout.buckets):
+        if not self.transport.eager or self.launched == len(self.layout.buckets):
             return  # nothing left to carry the word: the peers have their results already
         self.error = error
         self.drain()
@@ -318,7 +316,7 @@ class Call:
             if weighted and b == 0:
                 total = self._total(got)
             buf = kind.land(bucket, got, res, rank)
-            if weighted and self.eager:
+            if weighted and self.transport.eager:
                 _divide(buf[: bucket.data], total)
             elif weighted:  # traced: a new buffer, in autograd's graph
                 buf = torch.where(total == 0, torch.zeros_like(buf), buf / total)  # type: ignore[arg-type, operator]

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ._group import group_key
+from ._group import group_ref, remember
 
 __all__ = ["Joining", "armed", "enter", "leave"]
 
@@ -49,23 +49,19 @@ class Joining:
 
 
 # Per group: the join loop whose bit a reduction carries (the innermost, the latest started).
-# Keyed by a weak reference to the group, which takes its entry with it: a weak dictionary
-# by hand, whose emptiness and lookups cost no Python call (every reduction asks).
+# Keyed by ``group_ref`` (``remember``): the entry goes with the group, and emptiness and
+# lookups cost no Python call (every reduction asks).
 _CURRENT: dict[weakref.ref[Any], Joining] = {}
-
-
-def _forget(ref: weakref.ref[Any]) -> None:
-    _CURRENT.pop(ref, None)
 
 
 def enter(group: Any, joining: Joining) -> None:
     """``joining`` is the loop whose bit reductions on ``group`` carry from now on."""
-    _CURRENT[weakref.ref(group_key(group), _forget)] = joining
+    remember(_CURRENT, group, joining)
 
 
 def leave(group: Any, joining: Joining) -> None:
     """``joining`` is over; a loop entered after it keeps its place."""
-    key = weakref.ref(group_key(group))
+    key = group_ref(group)
     if _CURRENT.get(key) is joining:
         del _CURRENT[key]
 
@@ -74,7 +70,7 @@ def armed(group: Any) -> Joining | None:
     """The join loop on ``group`` whose bit waits for a reduction to carry it, if any."""
     if not _CURRENT:
         return None
-    joining = _CURRENT.get(weakref.ref(group_key(group)))
+    joining = _CURRENT.get(group_ref(group))
     if joining is None or joining.bit is None:
         return None
     return joining

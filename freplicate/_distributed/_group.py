@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Any, NamedTuple
+import weakref
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -25,6 +26,8 @@ import torch.distributed as dist
 
 from .._checks import check_int
 from .._torch import is_compiling
+
+T = TypeVar("T")
 
 __all__ = [
     "CommError",
@@ -36,9 +39,10 @@ __all__ = [
     "comm_error",
     "comm_device",
     "forward_ad_level",
-    "group_key",
+    "group_ref",
     "groups_of",
     "refuse_traced_transforms",
+    "remember",
     "resolve",
     "world_size",
 ]
@@ -234,9 +238,18 @@ def _check_grid(caller: str, replicate: Any, shard: Any) -> None:
         )
 
 
-def group_key(group: Any) -> Any:
-    """The group itself, the default one for ``None`` (a key of per-group state)."""
-    return _default_group() if group is None else group
+def group_ref(group: Any) -> weakref.ref[Any]:
+    """A weak reference to the group, the default one for ``None``: the key of per-group
+    state (``remember``), equal for the same group, looked up at C speed."""
+    return weakref.ref(_default_group() if group is None else group)
+
+
+def remember(table: dict[weakref.ref[Any], T], group: Any, value: T) -> T:
+    """``table[group_ref(group)] = value``, the entry going with the group: a weak dictionary
+    by hand, whose lookups and emptiness cost no Python call (``WeakKeyDictionary``'s do)."""
+    key = _default_group() if group is None else group
+    table[weakref.ref(key, lambda ref: table.pop(ref, None))] = value  # type: ignore[misc]
+    return value
 
 
 def check_src(caller: str, src: Any, group: Any) -> int:

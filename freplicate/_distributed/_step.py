@@ -353,7 +353,7 @@ class Step:
     ) -> tuple[list[torch.Tensor], Any]:
         """The step's gradients into ``call``'s buckets: from the backward pass where it can."""
         plan = call.request.plan
-        if call.eager and _overlaps(plan):
+        if call.transport.eager and _overlaps(plan):
             what = Differentiated(self.run, self.has_aux, _CALLER)
             return overlapped(what, call, send, args, kwargs, n, leaves, attempt)
         grads, value = self.local(*args, **kwargs)
